@@ -1,0 +1,26 @@
+"""graphopt: a graph optimization backend for PyTorch inference.
+
+Capture a model's step as a graph, rewrite it (fold, fuse, re-inplace, plan memory),
+optionally compile it with Inductor, and replay it as a device graph.
+"""
+
+from ._compat import register_dynamo_backend
+from .api import DynamicDims, OptimizedModule, optimize, support_graph_optimization
+from .backend import graphopt_backend
+from .config import GraphOptimizationConfig
+from .passes.manager import PassResult, PassVerificationError
+from .report import Report
+
+register_dynamo_backend("graphopt", graphopt_backend)
+
+__all__ = [
+    "DynamicDims",
+    "GraphOptimizationConfig",
+    "OptimizedModule",
+    "PassResult",
+    "PassVerificationError",
+    "Report",
+    "graphopt_backend",
+    "optimize",
+    "support_graph_optimization",
+]

@@ -1,0 +1,147 @@
+"""Every private torch API graphopt uses, in one place.
+
+torch's compiler internals change between releases (graphopt runs on 2.11 and 2.13).
+Each wrapper here detects what the installed torch offers, with `inspect` where a
+signature moved, so an upgrade breaks this file and no other.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Sequence
+
+import torch
+import torch._dynamo
+import torch.fx
+from torch._functorch.aot_autograd import aot_module_simplified
+
+try:  # torch >= 2.4 moved the boxing helper out of functorch.compile
+    from torch._functorch._aot_autograd.utils import make_boxed_func
+except ImportError:  # pragma: no cover - older layouts
+    from functorch.compile import make_boxed_func
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    return name in inspect.signature(fn).parameters
+
+
+def aot_inference(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    fw_compiler: Callable[[torch.fx.GraphModule, list], Callable],
+) -> Callable:
+    """Dynamo graph -> functional ATen inference graph, handed to `fw_compiler`.
+
+    Input mutations (a KV-cache write) are kept inside the graph as a trailing
+    `copy_` into the input, so graphopt's passes can turn them back into in-place
+    writes; otherwise AOTAutograd would apply them in a Python epilogue.
+    """
+    kwargs: dict[str, Any] = {"fw_compiler": fw_compiler}
+    if _accepts(aot_module_simplified, "inference_compiler"):
+        kwargs["inference_compiler"] = fw_compiler
+    if _accepts(aot_module_simplified, "keep_inference_input_mutations"):
+        kwargs["keep_inference_input_mutations"] = True
+    return aot_module_simplified(gm, example_inputs, **kwargs)
+
+
+def boxed(fn: Callable) -> Callable:
+    """AOTAutograd calls compiled graphs with one list argument ("boxed")."""
+    return make_boxed_func(fn)
+
+
+def inductor_compile(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    post_grad_pass: Callable[[torch.fx.Graph], None],
+    pass_uuid: str,
+    options: dict[str, Any],
+) -> Callable:
+    """Compile a Dynamo graph with Inductor, running `post_grad_pass` as its
+    post-grad custom pass (after Inductor's own pattern passes, before lowering)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = dict(options)
+    patches["post_grad_custom_post_pass"] = _custom_graph_pass(post_grad_pass, pass_uuid)
+    return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def _custom_graph_pass(fn: Callable[[torch.fx.Graph], None], pass_uuid: str) -> Any:
+    """Wrap `fn` as Inductor's CustomGraphPass; its uuid keys Inductor's FX graph
+    cache, so two different graphopt configs never share a cached artifact."""
+    try:
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+    except ImportError:  # pragma: no cover - torch without the cache-aware interface
+        return fn
+
+    class _GraphoptPostGradPass(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            fn(graph)
+
+        def uuid(self) -> str:
+            return pass_uuid
+
+    return _GraphoptPostGradPass()
+
+
+def inductor_available() -> bool:
+    """Inductor needs a C++ compiler on CPU; report its absence instead of failing late."""
+    try:
+        from torch._inductor import cpp_builder
+
+        cpp_builder.get_cpp_compiler()
+    except Exception:  # noqa: BLE001 - any failure means "cannot compile for CPU"
+        return False
+    return True
+
+
+def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
+    """Ask Dynamo to trace `dim` symbolically. `maybe_` because a size-1 dim is
+    specialised by Dynamo (0/1 specialisation) rather than raising."""
+    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+def register_dynamo_backend(name: str, fn: Callable) -> None:
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+
+    if _COMPILER_FNS.get(name) is not fn:
+        _COMPILER_FNS.pop(name, None)
+        register_backend(compiler_fn=fn, name=name)
+
+
+def concrete(value: Any) -> Any:
+    """A Dynamo example input as a plain value: SymInts become their hint."""
+    if isinstance(value, torch.SymInt):
+        hint = value.node.hint
+        if hint is None:
+            raise ValueError(f"symbolic size {value} has no concrete hint")
+        return int(hint)
+    return value
+
+
+def reset_dynamo() -> None:
+    torch._dynamo.reset()
+
+
+def same_sizes(a: Sequence, b: Sequence) -> bool:
+    """Sizes equal for every value of their symbolic dims (no guard is added)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
+
+
+def same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return same_sizes(a.shape, b.shape)
+
+
+def fake_mode_of(gm: torch.fx.GraphModule) -> Any:
+    """The FakeTensorMode the graph's `meta["val"]` values belong to, or None."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
+
+
+def remove_noop_ops(graph: torch.fx.Graph) -> None:
+    """Inductor's no-op elimination (full slices, same-shape views, x+0, ...)."""
+    from torch._inductor.fx_passes.post_grad import remove_noop_ops as inductor_remove_noop_ops
+
+    inductor_remove_noop_ops(graph)

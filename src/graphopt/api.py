@@ -1,0 +1,174 @@
+"""The user-facing entry points: `optimize()`, `@support_graph_optimization`,
+`DynamicDims`, and the `OptimizedModule` they produce."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from . import _compat
+from .backend import GraphoptCompiler
+from .config import GraphOptimizationConfig
+from .report import Report
+
+
+@dataclass(frozen=True)
+class DynamicDims:
+    """Marks dim `dim` of an argument as its batch (dynamic) dimension, in a
+    `typing.Annotated` hint: `input_ids: Annotated[torch.Tensor, DynamicDims(0)]`."""
+
+    dim: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
+            raise TypeError(f"DynamicDims takes an int dimension, got {self.dim!r}")
+
+
+class OptimizedModule(torch.nn.Module):
+    """Behaves like the model it wraps; calls run the level's optimized step.
+
+    Level 0 calls the model itself. Levels 1 and 2 call it through torch.compile
+    with graphopt's backend, marking each argument's dynamic dim first so one
+    graph serves every batch size.
+    """
+
+    def __init__(self, model: Callable, config: GraphOptimizationConfig | None = None,
+                 dynamic_dims: Mapping[str, int | DynamicDims | None] | None = None,
+                 pad_values: Mapping[str, float | int] | None = None):
+        super().__init__()
+        config = config if config is not None else GraphOptimizationConfig()
+        if not isinstance(config, GraphOptimizationConfig):
+            raise TypeError(f"config must be a GraphOptimizationConfig, got {type(config).__name__}; "
+                            "build one with GraphOptimizationConfig(...) or .from_json(text)")
+        if not callable(model):
+            raise TypeError(f"optimize() takes an nn.Module or a function, got {type(model).__name__}")
+        forward = model.forward if isinstance(model, torch.nn.Module) else model
+        self._params = list(inspect.signature(forward).parameters)
+        self.dynamic_dims = _resolve_dynamic_dims(forward, self._params, dynamic_dims)
+        self.pad_values = _check_names("pad_values", dict(pad_values or {}), self._params)
+        self.model = model
+        self.config = config
+        self._compiler = GraphoptCompiler(config)
+        report = self._compiler.report
+        if config.graph_opt_level == 2 and _on_cpu(model) and not _compat.inductor_available():
+            report.fallback("graph_opt_level=2: Inductor found no C++ compiler for CPU code; "
+                            "running level 1 (install gcc or clang to compile)")
+            self._compiler = GraphoptCompiler(config.replace(graph_opt_level=1), report)
+        if config.use_cudagraph:
+            report.fallback("use_cudagraph: the device-graph runtime (GraphRunner) is not built yet; "
+                            "the step runs without device graphs")
+        level = self._compiler.config.graph_opt_level
+        step = model if level == 0 else torch.compile(model, backend=self._compiler)
+        # A plain attribute, not a submodule: torch.compile's wrapper holds `model`
+        # again, and state_dict() would list every weight twice.
+        object.__setattr__(self, "_step", step)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._step is not self.model and not self._compiler.compiled_dynamic:
+            self._mark_dynamic(args, kwargs)
+        return self._step(*args, **kwargs)
+
+    def _mark_dynamic(self, args: tuple, kwargs: dict) -> None:
+        if self.dynamic_dims is None:
+            for leaf in tree_leaves((args, kwargs)):
+                if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+                    _compat.mark_dynamic(leaf, 0)
+            return
+        for name, dim in self.dynamic_dims.items():
+            position = self._params.index(name)
+            value = kwargs.get(name, args[position] if position < len(args) else None)
+            if not isinstance(value, torch.Tensor):
+                continue
+            if not -value.dim() <= dim < value.dim():
+                raise ValueError(f"dynamic dim {dim} of argument {name!r} is out of range for its "
+                                 f"shape {tuple(value.shape)}; fix dynamic_dims={{{name!r}: ...}}")
+            _compat.mark_dynamic(value, dim % value.dim())
+
+    def report(self) -> Report:
+        """What ran: graphs, passes and their stats, compile times, fallbacks."""
+        return self._compiler.report
+
+    def graphs(self) -> list[torch.fx.GraphModule]:
+        """The final ATen FX graphs, in compile order (none at level 0)."""
+        return list(self._compiler.graph_modules)
+
+
+def optimize(model: Callable, config: GraphOptimizationConfig | None = None,
+             dynamic_dims: Mapping[str, int | DynamicDims | None] | None = None,
+             pad_values: Mapping[str, float | int] | None = None) -> OptimizedModule:
+    """Wrap `model` (an nn.Module or a function) so each call runs its optimized step.
+
+    `dynamic_dims` maps argument names to their batch dimension (None: static).
+    Without it, and without `DynamicDims` hints on `forward`, dim 0 of every tensor
+    argument is dynamic. `pad_values` gives the value padded rows get when a batch
+    is padded up to a capture size (default 0).
+    """
+    return OptimizedModule(model, config, dynamic_dims, pad_values)
+
+
+def support_graph_optimization(cls: type) -> type:
+    """Class decorator: instances take `graph_opt_config=`; with one, their forward
+    runs optimized; without one, the class behaves exactly as undecorated."""
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+        raise TypeError(f"@support_graph_optimization decorates an nn.Module subclass, got {cls!r}")
+    original_init = cls.__init__
+
+    @functools.wraps(original_init)
+    def __init__(self: torch.nn.Module, *args: Any,
+                 graph_opt_config: GraphOptimizationConfig | None = None, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        if graph_opt_config is not None:
+            step = OptimizedModule(self.forward, graph_opt_config)
+            # object.__setattr__: registering the wrapper as a submodule would make the
+            # module contain itself (state_dict, .to() and repr would recurse).
+            object.__setattr__(self, "graph_opt_module", step)
+            object.__setattr__(self, "forward", step)
+
+    cls.__init__ = __init__
+    return cls
+
+
+def _resolve_dynamic_dims(forward: Callable, params: list[str],
+                          explicit: Mapping[str, int | DynamicDims | None] | None) -> dict[str, int] | None:
+    """{argument name: dynamic dim}, or None for the default (dim 0 of every tensor)."""
+    declared: dict[str, int | None] = {}
+    try:
+        hints = typing.get_type_hints(forward, include_extras=True)
+    except Exception:  # noqa: BLE001 - unresolvable string annotations carry no DynamicDims
+        hints = {}
+    for name, hint in hints.items():
+        for meta in getattr(hint, "__metadata__", ()):
+            if isinstance(meta, DynamicDims):
+                declared[name] = meta.dim
+    for name, dim in _check_names("dynamic_dims", dict(explicit or {}), params).items():
+        if isinstance(dim, DynamicDims):
+            dim = dim.dim
+        if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int)):
+            raise TypeError(f"dynamic_dims[{name!r}] must be an int, DynamicDims(k) or None, got {dim!r}")
+        declared[name] = dim
+    if not declared:
+        return None
+    return {name: dim for name, dim in declared.items() if dim is not None}
+
+
+def _check_names(what: str, given: dict[str, Any], params: list[str]) -> dict[str, Any]:
+    unknown = [name for name in given if name not in params]
+    if unknown:
+        raise ValueError(f"{what} names {unknown}, which forward() does not take; "
+                         f"its arguments are {params}")
+    return given
+
+
+def _on_cpu(model: Callable) -> bool:
+    owner = getattr(model, "__self__", model)  # a decorated module passes its bound forward
+    if isinstance(owner, torch.nn.Module):
+        for tensor in itertools.chain(owner.parameters(), owner.buffers()):
+            return tensor.device.type == "cpu"
+    return True

@@ -1,0 +1,255 @@
+"""GraphOptimizationConfig: the one configuration every layer of graphopt reads.
+
+The key names mirror FastDeploy's ``--graph-optimization-config`` (``graph_opt_level``,
+``use_cudagraph``, ``cudagraph_capture_sizes``, ``max_num_seqs``) and TorchAir's
+aclgraph options (``capture_error_mode``, ``clone_input``, ...), so a config written for
+those engines reads the same here. Nothing is coerced: a wrong type or value is an
+error that names the key and says what is accepted.
+
+This module is also the one place where numerical tolerances are stated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import torch
+
+# Tolerances for comparing an optimized graph's outputs with eager's, by dtype: (atol, rtol).
+TOLERANCES: Final[dict[torch.dtype, tuple[float, float]]] = {
+    torch.float32: (1e-4, 1e-4),
+    torch.float64: (1e-7, 1e-7),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (5e-2, 5e-2),
+}
+
+
+def tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """(atol, rtol) for comparing outputs of ``dtype``; integer and bool outputs must match exactly."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"tolerance() expects a torch.dtype, got {_describe(dtype)}")
+    if dtype.is_complex:
+        dtype = dtype.to_real()
+    if not dtype.is_floating_point:
+        return (0.0, 0.0)
+    return TOLERANCES.get(dtype, TOLERANCES[torch.float32])
+
+
+GRAPH_OPT_LEVELS: Final = (0, 1, 2)
+CAPTURE_ERROR_MODES: Final = ("global", "thread_local", "relaxed")
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """The capture sizes used when none are given: FastDeploy's candidates up to ``max_num_seqs``.
+
+    ``max_num_seqs`` itself is always captured, so the largest batch never runs without a graph.
+    """
+    _check_int("max_num_seqs", max_num_seqs, minimum=1)
+    candidates = (
+        [1, 2, 4]
+        + [8 * i for i in range(1, 17)]  # 8 .. 128
+        + [16 * i for i in range(9, 17)]  # 144 .. 256
+        # FastDeploy's code has range(17, 33), which skips 288..512 against its own comment.
+        + [32 * i for i in range(9, 33)]  # 288 .. 1024
+    )
+    sizes = [size for size in candidates if size <= max_num_seqs]
+    if sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sizes
+
+
+@dataclass
+class GraphOptimizationConfig:
+    """How graphopt optimizes and replays a model. See DESIGN.md for the vocabulary."""
+
+    graph_opt_level: int = 1
+    use_cudagraph: bool = True
+    # Resolved in __post_init__: always a sorted list without duplicates afterwards.
+    cudagraph_capture_sizes: list[int] | None = None
+    max_num_seqs: int = 256
+    cudagraph_num_of_warmups: int = 2
+    capture_error_mode: str = "thread_local"
+    # An opaque pool handle shared by every device graph of this config; never serialised.
+    graph_pool: object = None
+    reuse_pool_in_same_graph: bool = True
+    clone_input: bool = True
+    clone_output: bool = False
+    # False keeps parameters as live inputs so in-place weight updates are seen.
+    freeze_parameters: bool = False
+    disabled_passes: list[str] = field(default_factory=list)
+    debug_dump_dir: str | None = None
+    verify: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("graph_opt_level", self.graph_opt_level, choices=GRAPH_OPT_LEVELS)
+        _check_bool("use_cudagraph", self.use_cudagraph)
+        # max_num_seqs is checked first because the default sizes are derived from it.
+        _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
+        if self.cudagraph_capture_sizes is None:
+            self.cudagraph_capture_sizes = default_capture_sizes(self.max_num_seqs)
+        else:
+            self.cudagraph_capture_sizes = _capture_sizes(self.cudagraph_capture_sizes)
+        _check_int("cudagraph_num_of_warmups", self.cudagraph_num_of_warmups, minimum=0)
+        _check_capture_error_mode(self.capture_error_mode)
+        for key in ("reuse_pool_in_same_graph", "clone_input", "clone_output", "freeze_parameters"):
+            _check_bool(key, getattr(self, key))
+        self.disabled_passes = _pass_names(self.disabled_passes)
+        _check_dump_dir(self.debug_dump_dir)
+        _check_bool("verify", self.verify)
+
+    def pass_enabled(self, name: str) -> bool:
+        """Whether the graph pass ``name`` should run ("*" in disabled_passes turns all off)."""
+        return "*" not in self.disabled_passes and name not in self.disabled_passes
+
+    def replace(self, **changes: Any) -> GraphOptimizationConfig:
+        """A new, validated config with ``changes`` applied.
+
+        Sizes that were the defaults for the old ``max_num_seqs`` follow a new one;
+        sizes given explicitly stay as they are.
+        """
+        _check_keys(changes, _KEYS)
+        if (
+            "max_num_seqs" in changes
+            and "cudagraph_capture_sizes" not in changes
+            and self.cudagraph_capture_sizes == default_capture_sizes(self.max_num_seqs)
+        ):
+            changes["cudagraph_capture_sizes"] = None
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        # Not dataclasses.asdict: it would deep-copy graph_pool, which must stay the same handle.
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["cudagraph_capture_sizes"] = list(self.cudagraph_capture_sizes or ())
+        data["disabled_passes"] = list(self.disabled_passes)
+        return data
+
+    def to_json(self) -> str:
+        """The command-line form of this config; graph_pool is left out (it is not data)."""
+        data = self.to_dict()
+        del data["graph_pool"]
+        return json.dumps(data)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> GraphOptimizationConfig:
+        if not isinstance(d, Mapping):
+            raise TypeError(f"graph optimization config must be a mapping of keys to values, got {_describe(d)}")
+        _check_keys(d, _KEYS)
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text: str) -> GraphOptimizationConfig:
+        """Parse the command-line form, e.g. ``'{"graph_opt_level": 1, "cudagraph_capture_sizes": [1, 3]}'``."""
+        if not isinstance(text, str):
+            raise TypeError(f"graph optimization config JSON must be a str, got {_describe(text)}")
+        try:
+            data = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"graph optimization config is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+            ) from None
+        if not isinstance(data, dict):
+            raise ValueError(
+                'graph optimization config JSON must be an object like {"graph_opt_level": 1}, '
+                f"got a JSON {_json_kind(data)}"
+            )
+        if "graph_pool" in data:
+            raise ValueError(
+                "graph_pool cannot come from JSON: a pool handle is a live Python object; "
+                "pass it in Python, e.g. cfg.replace(graph_pool=pool)"
+            )
+        return cls.from_dict(data)
+
+
+_KEYS: Final = tuple(f.name for f in dataclasses.fields(GraphOptimizationConfig))
+
+
+def _describe(value: object) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _check_int(key: str, value: object, *, minimum: int | None = None, choices: tuple[int, ...] = ()) -> None:
+    accepted = f"an int in {{{', '.join(map(str, choices))}}}" if choices else f"an int >= {minimum}"
+    # bool is a subclass of int, but True is never a meaningful level or count.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{key} must be {accepted}, got {_describe(value)}")
+    if (choices and value not in choices) or (minimum is not None and value < minimum):
+        raise ValueError(f"{key} must be {accepted}, got {value}")
+
+
+def _check_bool(key: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{key} must be a bool (true/false), got {_describe(value)}")
+
+
+def _check_capture_error_mode(value: object) -> None:
+    accepted = "one of " + ", ".join(repr(mode) for mode in CAPTURE_ERROR_MODES)
+    if not isinstance(value, str):
+        raise TypeError(f"capture_error_mode must be {accepted}, got {_describe(value)}")
+    if value not in CAPTURE_ERROR_MODES:
+        raise ValueError(f"capture_error_mode must be {accepted}, got {value!r}")
+
+
+def _capture_sizes(value: object) -> list[int]:
+    accepted = "cudagraph_capture_sizes must be a non-empty list of ints >= 1 (or null for the defaults)"
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{accepted}, got {_describe(value)}")
+    if not value:
+        raise ValueError(f"{accepted}, got an empty list")
+    for i, size in enumerate(value):
+        if not isinstance(size, int) or isinstance(size, bool):
+            raise TypeError(f"{accepted}, got {_describe(size)} at index {i}")
+        if size < 1:
+            raise ValueError(f"{accepted}, got {size} at index {i}")
+    return sorted(set(value))
+
+
+def _pass_names(value: object) -> list[str]:
+    accepted = 'disabled_passes must be a list of pass names (non-empty strings, "*" for all)'
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{accepted}, got {_describe(value)}")
+    for i, name in enumerate(value):
+        if not isinstance(name, str):
+            raise TypeError(f"{accepted}, got {_describe(name)} at index {i}")
+        if not name:
+            raise ValueError(f"{accepted}, got an empty string at index {i}")
+    return list(value)
+
+
+def _check_dump_dir(value: object) -> None:
+    accepted = "debug_dump_dir must be a non-empty str (a directory path) or null"
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{accepted}, got {_describe(value)}")
+    if value == "":
+        raise ValueError(f"{accepted}, got an empty string")
+
+
+def _check_keys(d: Mapping[Any, Any], accepted: tuple[str, ...]) -> None:
+    for key in d:
+        if key in accepted:
+            continue
+        hint = "."
+        if isinstance(key, str) and (close := difflib.get_close_matches(key, accepted, n=1)):
+            hint = f"; did you mean {close[0]!r}?"
+        raise ValueError(
+            f"unknown graph optimization config key {key!r}{hint} Accepted keys: {', '.join(accepted)}"
+        )
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json would otherwise keep the last value silently.
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"graph optimization config JSON gives key {key!r} more than once")
+        seen[key] = value
+    return seen
+
+
+def _json_kind(value: object) -> str:
+    kinds = {list: "array", str: "string", bool: "boolean", type(None): "null"}
+    return kinds.get(type(value), "number")

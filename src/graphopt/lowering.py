@@ -1,0 +1,141 @@
+"""Level 1's executable: the final ATen graph, called through torch's fast bindings.
+
+An FX graph calls `torch.ops.aten.view.default(x, size)`, which goes through the
+boxed operator path: about 3 us a call on CPU, against 0.8 us for `x.view(size)`,
+the binding eager code uses. A decode step is hundreds of small ops, so that
+difference alone made the FX graph slower than eager. Here each ATen node is
+retargeted to its binding (`torch.<op>` or the Tensor method) when, and only when,
+calling the binding on the node's fake values dispatches to exactly the node's
+overload; anything else keeps its OpOverload.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from . import _compat
+
+_BINDING_NAMESPACES = (torch._C._VariableFunctions, torch._C._nn, torch._C.TensorBase)
+
+# Overloads the dispatch check cannot confirm, and the binding that computes the
+# same values: `_unsafe_view` is `view` minus the aliasing record autograd keeps;
+# `linear` is CompositeImplicit, so it decomposes before any dispatch mode sees it.
+_EQUIVALENT = {
+    torch.ops.aten._unsafe_view.default: torch._C.TensorBase.view,
+    torch.ops.aten.linear.default: torch._C._nn.linear,
+    torch.ops.aten.matmul.default: torch._C._VariableFunctions.matmul,
+}
+
+# (overload, argument structure) -> binding or None; one check serves every node alike.
+_decisions: dict[tuple, Callable | None] = {}
+
+
+class _FirstDispatch(TorchDispatchMode):
+    """Records the first ATen overload a call dispatches to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first: torch._ops.OpOverload | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.first is None:
+            self.first = func
+        return func(*args, **(kwargs or {}))
+
+
+def lower_to_bindings(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of `gm` whose ATen nodes call torch's Python bindings where that is
+    provably the same operator; `gm` itself stays an ATen graph."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    fake_mode = _compat.fake_mode_of(gm)
+    if fake_mode is not None:
+        for node in graph.nodes:
+            if node.target is torch.ops.aten.slice.Tensor:
+                _slice_as_narrow(node)
+            elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+                binding = _binding_for(node, fake_mode)
+                if binding is not None:
+                    node.target = binding
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _slice_as_narrow(node: torch.fx.Node) -> None:
+    """`slice` has no binding; with constant bounds, step 1 and a static dim size,
+    `narrow(x, dim, start, length)` selects exactly the same view."""
+    x, dim, start, end, step = (list(node.args) + [0, None, None, 1][len(node.args) - 1:])[:5]
+    val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    if node.kwargs or not isinstance(val, torch.Tensor) or step != 1:
+        return
+    size = val.shape[dim]
+    if not all(isinstance(v, int) for v in (size, start if start is not None else 0, end if end is not None else 0)):
+        return
+    start = 0 if start is None else min(max(start + size if start < 0 else start, 0), size)
+    end = size if end is None else min(max(end + size if end < 0 else end, 0), size)
+    node.target = torch._C._VariableFunctions.narrow
+    node.args = (x, dim, start, max(end - start, 0))
+
+
+def _binding_for(node: torch.fx.Node, fake_mode: Any) -> Callable | None:
+    op = node.target
+    if op in _EQUIVALENT:
+        return _EQUIVALENT[op]
+    key = (op, _structure(node.args), _structure(node.kwargs))
+    if key in _decisions:
+        return _decisions[key]
+    name = op._schema.name.split("::")[-1]
+    candidates = [getattr(namespace, name, None) for namespace in _BINDING_NAMESPACES]
+    decision = None
+    for binding in (c for c in candidates if c is not None):
+        if _dispatches_to(binding, node, fake_mode) is op:
+            decision = binding
+            break
+    _decisions[key] = decision
+    return decision
+
+
+def _dispatches_to(binding: Callable, node: torch.fx.Node, fake_mode: Any) -> torch._ops.OpOverload | None:
+    def value(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            if "val" not in a.meta:
+                raise LookupError(a.name)
+            return a.meta["val"]
+        return a
+
+    try:
+        args, kwargs = tree_map(value, node.args), tree_map(value, dict(node.kwargs))
+        recorder = _FirstDispatch()
+        with fake_mode:
+            args = _clone_written(node.target, args)
+            with recorder:
+                binding(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - a binding that cannot take these arguments is simply not used
+        return None
+    return recorder.first
+
+
+def _clone_written(op: torch._ops.OpOverload, args: tuple) -> tuple:
+    """In-place ops mutate their fake input's metadata; probe on a copy."""
+    if op._schema.is_mutable and args and isinstance(args[0], torch.Tensor):
+        return (torch.empty_like(args[0]), *args[1:])
+    return args
+
+
+def _structure(value: Any) -> Any:
+    """What decides a binding's overload: argument kinds, not values (except
+    dtypes, which pick overloads such as view.dtype)."""
+    if isinstance(value, torch.fx.Node):
+        val = value.meta.get("val")
+        return "T" if isinstance(val, torch.Tensor) else type(val).__name__
+    if isinstance(value, (list, tuple)):
+        return tuple(_structure(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _structure(v)) for k, v in value.items())
+    if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return value
+    return type(value).__name__

@@ -1,0 +1,1 @@
+"""Fusion passes: several ops replaced by one that does the same work in one call."""

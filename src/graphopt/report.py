@@ -1,0 +1,86 @@
+"""What an optimized model did: its graphs, the passes that ran on them, compile
+times, and every fallback with its reason. `OptimizedModule.report()` returns one."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("graphopt")
+
+
+@dataclass
+class PassRecord:
+    """One pass run on one graph."""
+
+    graph: int
+    name: str
+    changed: bool
+    counts: dict[str, int]
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"graph": self.graph, "name": self.name, "changed": self.changed,
+                "counts": dict(self.counts), "seconds": round(self.seconds, 6)}
+
+
+@dataclass
+class GraphRecord:
+    """One graph compiled for the model (Dynamo may compile several: graph breaks,
+    a specialised batch size 1)."""
+
+    index: int
+    nodes_before: int = 0
+    nodes_after: int = 0
+    compile_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "nodes_before": self.nodes_before,
+                "nodes_after": self.nodes_after, "compile_seconds": round(self.compile_seconds, 3)}
+
+
+@dataclass
+class Report:
+    level: int
+    graphs: list[GraphRecord] = field(default_factory=list)
+    passes: list[PassRecord] = field(default_factory=list)
+    fallbacks: Counter = field(default_factory=Counter)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def fallback(self, reason: str) -> None:
+        """Count a fallback; the first of each reason is logged, the rest only counted."""
+        with self._lock:
+            if reason not in self.fallbacks:
+                log.warning("graphopt fallback: %s", reason)
+            self.fallbacks[reason] += 1
+
+    @property
+    def compile_seconds(self) -> float:
+        return sum(g.compile_seconds for g in self.graphs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "level": self.level,
+            "graphs": [g.to_dict() for g in self.graphs],
+            "passes": [p.to_dict() for p in self.passes],
+            "compile_seconds": round(self.compile_seconds, 3),
+            "fallbacks": dict(self.fallbacks),
+        }
+
+    def __str__(self) -> str:
+        lines = [f"graphopt report: graph_opt_level={self.level}, {len(self.graphs)} graph(s), "
+                 f"compile {self.compile_seconds:.2f}s"]
+        for g in self.graphs:
+            lines.append(f"  graph {g.index}: {g.nodes_before} -> {g.nodes_after} nodes, "
+                         f"compiled in {g.compile_seconds:.2f}s")
+            for p in (p for p in self.passes if p.graph == g.index):
+                counts = ", ".join(f"{k}={v}" for k, v in p.counts.items()) or "-"
+                mark = "changed" if p.changed else "no change"
+                lines.append(f"    {p.name:<28} {mark:<10} {counts}")
+        if self.fallbacks:
+            lines.append("  fallbacks:")
+            lines.extend(f"    {n} x {reason}" for reason, n in self.fallbacks.items())
+        return "\n".join(lines)
