@@ -145,3 +145,11 @@ def remove_noop_ops(graph: torch.fx.Graph) -> None:
     from torch._inductor.fx_passes.post_grad import remove_noop_ops as inductor_remove_noop_ops
 
     inductor_remove_noop_ops(graph)
+
+
+def outside_fake_mode() -> Any:
+    """A context that runs real tensors while a compiler's FakeTensorMode is active
+    (passes run inside AOTAutograd's and Inductor's tracing)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()

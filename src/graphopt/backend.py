@@ -23,14 +23,16 @@ from .passes.manager import PassManager, check_pass_names
 from .report import GraphRecord, Report
 
 
-def inductor_options(config: GraphOptimizationConfig, device_type: str) -> dict[str, Any]:
-    """The Inductor settings graphopt uses at level 2 (the README says why)."""
+def inductor_options(device_type: str) -> dict[str, Any]:
+    """The Inductor settings graphopt uses at level 2 (measured: README, "Level 2")."""
     options: dict[str, Any] = {
         # graphopt's report must describe every graph: a cache hit would skip the passes.
         "fx_graph_cache": False,
-        # Frozen parameters become constants Inductor can fold and pre-pack.
-        "freezing": config.freeze_parameters,
     }
+    if device_type == "cpu":
+        # A C++ wrapper instead of a Python one: the decode step of the tiny decoder
+        # runs ~2x faster (100 vs 196 us at batch 1) for ~2x the compile time.
+        options["cpp_wrapper"] = True
     if device_type == "cuda":
         # graphopt's GraphRunner owns device graphs; Inductor's own would nest inside it.
         options["triton.cudagraphs"] = False
@@ -71,7 +73,7 @@ class GraphoptCompiler:
 
             device = _device_type(real_inputs)
             compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass,
-                                                self._pass_uuid(), inductor_options(self.config, device))
+                                                self._pass_uuid(), inductor_options(device))
         record.compile_seconds = time.perf_counter() - start
         return compiled
 

@@ -46,3 +46,46 @@ def remove_noops(gm: torch.fx.GraphModule) -> PassResult:
     _compat.remove_noop_ops(gm.graph)
     removed = before - len(gm.graph.nodes)
     return PassResult(changed=removed > 0, counts={"removed": removed} if removed else {})
+
+
+def cse(gm: torch.fx.GraphModule) -> PassResult:
+    """Common subexpression elimination: compute each pure value once.
+
+        before:  u1 = aten.unsqueeze(slots, 1);  ...;  u2 = aten.unsqueeze(slots, 1);  f(u2)
+        after:   u1 = aten.unsqueeze(slots, 1);  ...;  f(u1)
+
+    Random ops and ops with effects are never merged, and an in-place write is a
+    barrier: no value computed before it is reused after it.
+    """
+    seen: dict[tuple, torch.fx.Node] = {}
+    merged = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if has_effect(node):
+            seen.clear()
+            continue
+        key = _hashable((node.target, node.args, node.kwargs))
+        if key is None:
+            continue
+        if key in seen:
+            node.replace_all_uses_with(seen[key])
+            gm.graph.erase_node(node)
+            merged += 1
+        else:
+            seen[key] = node
+    return PassResult(changed=merged > 0, counts={"merged": merged} if merged else {})
+
+
+def _hashable(value: object) -> object:
+    """`value` with lists and dicts made into tuples; None if anything in it cannot be hashed."""
+    if isinstance(value, (list, tuple)):
+        items = [_hashable(v) for v in value]
+        return None if any(i is None and v is not None for i, v in zip(items, value)) else (type(value).__name__, *items)
+    if isinstance(value, dict):
+        return _hashable(sorted(value.items(), key=lambda kv: kv[0]))
+    try:
+        hash(value)
+    except TypeError:
+        return None
+    return value

@@ -46,8 +46,8 @@ def recompose_linear(gm: torch.fx.GraphModule) -> PassResult:
 
 def _match(mm: torch.fx.Node):
     """(x, weight, bias, input reshape or None, node producing the result) when
-    `mm` is a decomposed linear, else None. Two forms: a 2-D input with no
-    reshapes, or a reshape flattening x's leading dims and one restoring them."""
+    `mm` is a decomposed linear, else None. Two forms: a reshape flattening x's
+    leading dims and one restoring them, or a 2-D input used as it is."""
     if mm.op != "call_function" or mm.target not in (aten.mm.default, aten.addmm.default) or mm.kwargs:
         return None
     bias = mm.args[0] if mm.target is aten.addmm.default else None
@@ -59,17 +59,21 @@ def _match(mm: torch.fx.Node):
         return None
     if bias is not None and (_val(bias) is None or _val(bias).dim() != 1):
         return None  # addmm also broadcasts a 2-D "bias"; linear's bias is 1-D
-    flat_in = lhs if isinstance(lhs, torch.fx.Node) and lhs.target in _RESHAPES and len(lhs.users) == 1 else None
     restore = next(iter(mm.users)) if len(mm.users) == 1 else None
-    if flat_in is None:
-        return (lhs, weight, bias, None, mm) if _val(lhs) is not None and _val(lhs).dim() == 2 else None
-    if restore is None or restore.target not in _RESHAPES:
-        return None
-    x = flat_in.args[0]
-    x_val, out_val = _val(x), _val(restore)
-    if x_val is None or out_val is None or not same_sizes(x_val.shape[:-1], out_val.shape[:-1]):
-        return None  # the reshapes do more than flatten and restore the leading dims
-    return x, weight, bias, flat_in, restore
+    flattened = isinstance(lhs, torch.fx.Node) and lhs.target in _RESHAPES
+    if flattened and restore is not None and restore.target in _RESHAPES:
+        # Several linears may share one flattening view (q/k/v after CSE): it is
+        # erased with its last user.
+        x = lhs.args[0]
+        x_val, out_val = _val(x), _val(restore)
+        n, k = _val(weight).shape
+        if x_val is not None and out_val is not None and x_val.dim() >= 2 \
+                and same_sizes(x_val.shape[:-1], out_val.shape[:-1]) \
+                and same_sizes((x_val.shape[-1], out_val.shape[-1]), (k, n)):
+            return x, weight, bias, lhs, restore
+    if _val(lhs) is not None and _val(lhs).dim() == 2:
+        return lhs, weight, bias, None, mm
+    return None
 
 
 def _val(node) -> torch.Tensor | None:

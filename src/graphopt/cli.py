@@ -1,0 +1,179 @@
+"""The `graphopt` command line. `graphopt demo` generates tokens with the reference
+decoder at each graph_opt_level and prints their speed next to eager's."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from .api import optimize
+from .config import GRAPH_OPT_LEVELS, GraphOptimizationConfig
+from .models import Decoder, DecoderConfig, generate
+
+TINY = DecoderConfig.tiny()
+
+
+@dataclass
+class DemoRow:
+    """One variant at one batch size. `graphs` and `summary` describe the optimized
+    module's report after this row (None for eager)."""
+
+    variant: str
+    batch: int
+    tokens_per_s: float
+    speedup: float  # against eager at the same batch size
+    warmup_s: float  # the warm-up generate's time beyond the best timed one: compiling
+    graphs: int | None
+    tokens_equal: bool
+    summary: str | None = None
+
+
+def run_demo(levels: Sequence[int], batch_sizes: Sequence[int], prompt_len: int, new_tokens: int,
+             repeats: int, progress: Callable[[str], None] = lambda _: None) -> list[DemoRow]:
+    """Greedy generation with the tiny decoder, eagerly and at each of `levels`;
+    one row per (variant, batch size), eager's rows first.
+
+    One optimized module per level serves every batch size. At each batch size the
+    variants take turns within every timed repeat, so drift on a shared machine
+    hits them alike."""
+    torch.manual_seed(0)
+    model = Decoder(TINY).eval()
+    prompts = torch.randint(TINY.vocab_size, (max(batch_sizes), prompt_len))
+    steps: dict[str, Callable] = {"eager": model}
+    for level in levels:
+        # use_cudagraph=False: the device-graph runtime comes in a later issue.
+        steps[f"level {level}"] = optimize(model, GraphOptimizationConfig(graph_opt_level=level,
+                                                                          use_cudagraph=False))
+    rows: dict[tuple[str, int], DemoRow] = {}
+    with torch.inference_mode():
+        for batch in batch_sizes:
+            prompt = prompts[:batch]
+            first: dict[str, tuple[torch.Tensor, float]] = {}
+            for name, step in steps.items():
+                progress(f"{name}, batch {batch}: warm-up (compiles when needed)")
+                first[name] = _timed(model, step, prompt, new_tokens)
+            best = {name: float("inf") for name in steps}
+            for repeat in range(repeats):
+                progress(f"batch {batch}: timed run {repeat + 1} of {repeats}")
+                for name, step in steps.items():
+                    best[name] = min(best[name], _timed(model, step, prompt, new_tokens)[1])
+            eager_rate = batch * new_tokens / best["eager"]
+            for name, step in steps.items():
+                rate = batch * new_tokens / best[name]
+                report = step.report() if name != "eager" else None
+                rows[name, batch] = DemoRow(
+                    name, batch, rate, rate / eager_rate, first[name][1] - best[name],
+                    None if report is None else len(report.graphs),
+                    torch.equal(first[name][0], first["eager"][0]),
+                    None if report is None else str(report).splitlines()[0])
+    return [rows[name, batch] for name in steps for batch in batch_sizes]
+
+
+def _timed(model: Decoder, step: Callable, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float]:
+    """(tokens, seconds) of one greedy generate with `step` as the decode step."""
+    start = time.perf_counter()
+    tokens = generate(model, prompt, new_tokens, step=step)
+    return tokens, time.perf_counter() - start
+
+
+def _table(rows: list[DemoRow], repeats: int) -> Table:
+    caption = (f"tiny decoder ({TINY.num_layers} layers, hidden {TINY.hidden_size}, vocab "
+               f"{TINY.vocab_size}) · torch {torch.__version__} · cpu · "
+               f"{torch.get_num_threads()} threads · tokens/s over the whole generate "
+               f"(prefill + decode), best of {repeats}")
+    table = Table(title="graphopt demo: greedy generation", caption=caption)
+    for name in ("variant", "batch", "tokens/s", "speed-up", "warm-up s", "graphs", "tokens = eager"):
+        table.add_column(name, justify="left" if name == "variant" else "right")
+    for r in rows:
+        # A negative overhead is timing noise: the warm-up did no extra work.
+        table.add_row(r.variant, str(r.batch), f"{r.tokens_per_s:,.0f}", f"{r.speedup:.2f}x",
+                      f"{max(r.warmup_s, 0.0):.2f}", "-" if r.graphs is None else str(r.graphs),
+                      "yes" if r.tokens_equal else "[bold red]NO[/]")
+    return table
+
+
+def _demo(args: argparse.Namespace) -> int:
+    console = Console()
+    spinner = console.status("starting") if console.is_terminal else nullcontext()
+    with spinner as status:
+        rows = run_demo(args.levels, args.batch_sizes, args.prompt_len, args.new_tokens,
+                        args.repeats, progress=status.update if status else lambda _: None)
+    console.print(_table(rows, args.repeats))
+    if args.verbose:
+        summaries = {r.variant: r.summary for r in rows if r.summary}  # the last row's: the final state
+        for variant, summary in summaries.items():
+            console.print(f"{variant}: {summary}", highlight=False)
+    differ = [r for r in rows if not r.tokens_equal]
+    for r in differ:
+        console.print(f"[bold red]{r.variant}, batch {r.batch}: tokens differ from eager's[/]")
+    return 1 if differ else 0
+
+
+def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type; argparse prefixes its errors with the option's name."""
+    allowed = f"an integer in {low}..{high}" if high is not None else f"an integer >= {low}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {allowed}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {allowed}, got {value}")
+        return value
+
+    return parse
+
+
+def _int_list(low: int, high: int) -> Callable[[str], list[int]]:
+    """Comma-separated integers, each in low..high; duplicates dropped (they would only repeat rows)."""
+    item = _int_in(low, high)
+    return lambda text: list(dict.fromkeys(item(part.strip()) for part in text.split(",")))
+
+
+def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The `graphopt` parser and its `demo` subparser (whose errors print demo's usage)."""
+    parser = argparse.ArgumentParser(
+        prog="graphopt", description="graphopt: a graph optimization backend for PyTorch inference.")
+    commands = parser.add_subparsers(dest="command", metavar="command")
+    demo = commands.add_parser("demo", help="generate with the tiny decoder at each graph_opt_level",
+                               description="Greedy generation with the tiny reference decoder, eager "
+                                           "and optimized at each graph_opt_level: tokens/s, warm-up "
+                                           "(compile) time, graphs, and whether tokens equal eager's.")
+    demo.add_argument("--levels", type=_int_list(min(GRAPH_OPT_LEVELS), max(GRAPH_OPT_LEVELS)),
+                      default=list(GRAPH_OPT_LEVELS), metavar="L,...",
+                      help="graph_opt_levels to run (default: 0,1,2)")
+    demo.add_argument("--batch-sizes", type=_int_list(1, TINY.max_num_seqs), default=[1, 4, 16],
+                      metavar="B,...", help=f"batch sizes in 1..{TINY.max_num_seqs}, the decoder's "
+                                            "max_num_seqs (default: 1,4,16)")
+    demo.add_argument("--prompt-len", type=_int_in(1), default=8, metavar="T",
+                      help="prompt tokens per sequence (default: 8)")
+    demo.add_argument("--new-tokens", type=_int_in(1), default=32, metavar="N",
+                      help="tokens to generate per sequence (default: 32)")
+    demo.add_argument("--repeats", type=_int_in(1), default=3, metavar="R",
+                      help="timed generate runs per row; the best counts (default: 3)")
+    demo.add_argument("--threads", type=_int_in(1), default=None, metavar="N",
+                      help="torch threads (default: torch's choice; 1 is steadiest on a shared machine)")
+    demo.add_argument("--verbose", "-v", action="store_true", help="print each level's report summary")
+    return parser, demo
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, demo = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if args.prompt_len + args.new_tokens > TINY.max_seq_len:
+        demo.error(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} must be at most "
+                   f"{TINY.max_seq_len} (the tiny decoder's max_seq_len)")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    return _demo(args)

@@ -1,0 +1,32 @@
+"""Shared fixtures: GPU-only tests skip without CUDA; Dynamo's caches are reset
+between tests so one test's graphs and recompile counts never leak into another."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+
+from graphopt.models import Decoder, DecoderConfig
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def decoder() -> Decoder:
+    torch.manual_seed(0)
+    return Decoder(DecoderConfig.tiny()).eval()

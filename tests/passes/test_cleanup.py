@@ -1,0 +1,97 @@
+import torch
+
+from graphopt.passes.cleanup import cse, dce, remove_noops
+from support import aot_graph, targets
+
+aten = torch.ops.aten
+
+
+def test_dce_removes_unused_values_and_keeps_effects():
+    graph = aot_graph(lambda x: x.t() @ x, torch.randn(4, 3))
+    g = graph.gm.graph
+    x = next(n for n in g.nodes if n.op == "placeholder")
+    output = next(n for n in g.nodes if n.op == "output")
+    with g.inserting_before(output):
+        g.call_function(aten.mul.Tensor, (x, 2))            # dead
+        g.call_function(aten.add_.Tensor, (x, 1))           # dead value, but a write
+        g.call_function(aten.rand.default, ([2],), {"device": torch.device("cpu")})  # a draw
+    count = len(g.nodes)
+
+    result = dce(graph.gm)
+
+    assert result.changed and result.counts == {"removed": 1}
+    assert len(g.nodes) == count - 1
+    assert aten.mul.Tensor not in targets(graph)
+    assert aten.add_.Tensor in targets(graph) and aten.rand.default in targets(graph)
+    g.lint()
+
+
+def test_dce_on_a_clean_graph_changes_nothing():
+    graph = aot_graph(lambda x: torch.relu(x) + 1, torch.randn(3))
+    assert dce(graph.gm).changed is False
+
+
+def noops(x):
+    y = x[:, :]                     # full-range slices
+    y = y.view(x.shape)             # view to the same shape
+    return y * 3
+
+
+def test_remove_noops_drops_identity_views_and_slices():
+    x = torch.randn(4, 5)
+    graph = aot_graph(noops, x)
+    assert aten.slice.Tensor in targets(graph) or aten.view.default in targets(graph)
+    expected = graph(x)
+
+    result = remove_noops(graph.gm)
+    graph.gm.recompile()
+
+    assert result.changed and result.counts["removed"] >= 1
+    assert targets(graph) == [aten.mul.Tensor]
+    torch.testing.assert_close(graph(x), expected, atol=0, rtol=0)
+
+
+def test_remove_noops_keeps_real_slices():
+    graph = aot_graph(lambda x: x[:, 1:3] * 2, torch.randn(4, 5))
+    remove_noops(graph.gm)
+    assert aten.slice.Tensor in targets(graph)
+
+
+def test_cse_merges_pure_duplicates():
+    def fn(x, y):
+        return x.unsqueeze(1) * y, x.unsqueeze(1) + y, torch.relu(x) - torch.relu(x)
+
+    args = (torch.randn(3), torch.randn(3, 3))
+    graph = aot_graph(fn, *args)
+    expected = graph(*args)
+    result = cse(graph.gm)
+    graph.gm.recompile()
+    assert result.counts == {"merged": 2}
+    assert targets(graph).count(aten.unsqueeze.default) == 1
+    assert targets(graph).count(aten.relu.default) == 1
+    for a, b in zip(graph(*args), expected):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_cse_never_merges_random_ops():
+    graph = aot_graph(lambda x: x + torch.rand(3) - torch.rand(3), torch.randn(3))
+    assert targets(graph).count(aten.rand.default) == 2
+    assert cse(graph.gm).changed is False
+    assert targets(graph).count(aten.rand.default) == 2
+
+
+def test_cse_does_not_reuse_a_value_across_an_in_place_write():
+    graph = aot_graph(lambda x: x * 2, torch.randn(3))
+    g = graph.gm.graph
+    x = next(n for n in g.nodes if n.op == "placeholder")
+    mul = next(n for n in g.nodes if n.target is aten.mul.Tensor)
+    with g.inserting_after(mul):
+        write = g.call_function(aten.add_.Tensor, (x, 1))
+    with g.inserting_after(write):
+        again = g.call_function(aten.mul.Tensor, (x, 2))   # reads x after the write
+    output = next(n for n in g.nodes if n.op == "output")
+    output.args = ((mul, again),)
+    assert cse(graph.gm).changed is False
+    graph.gm.recompile()
+    before, after = graph(torch.ones(3))
+    torch.testing.assert_close(after, before + 2)

@@ -1,0 +1,51 @@
+"""Helpers the tests share: decode-step inputs and the ATen graphs passes see."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from graphopt import _compat
+from graphopt.models import DecoderConfig
+
+
+def decode_inputs(batch: int, position: int = 5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's (input_ids, positions, slots) for `batch` sequences."""
+    generator = torch.Generator().manual_seed(batch)
+    ids = torch.randint(0, DecoderConfig.tiny().vocab_size, (batch,), generator=generator)
+    return ids, torch.full((batch,), position), torch.arange(batch)
+
+
+class AtenGraph:
+    """A functional ATen graph and how to call it with the traced function's own
+    arguments (Dynamo orders graph inputs by first use, not by position)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, order: list[int]):
+        self.gm, self.order = gm, order
+
+    def __call__(self, *args):
+        return self.gm(*[args[i] for i in self.order])
+
+
+def aot_graph(fn, *args) -> AtenGraph:
+    """The functional ATen graph graphopt's passes receive for `fn(*args)`, traced
+    with static shapes."""
+    graphs, orders = [], []
+    traced_args = [a.clone() for a in args]
+
+    def backend(gm, example_inputs):
+        orders.append([next(i for i, a in enumerate(traced_args) if a is x) for x in example_inputs])
+        return _compat.aot_inference(gm, example_inputs, fw_compiler)
+
+    def fw_compiler(gm, _inputs):
+        graphs.append(gm)
+        return _compat.boxed(gm)
+
+    torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)(*traced_args)
+    assert len(graphs) == 1
+    return AtenGraph(graphs[0], orders[0])
+
+
+def targets(graph: AtenGraph | torch.fx.GraphModule) -> list:
+    gm = graph.gm if isinstance(graph, AtenGraph) else graph
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]

@@ -1,0 +1,69 @@
+import pytest
+
+from graphopt import cli
+from graphopt.cli import DemoRow, main, run_demo
+
+# Levels 0 and 1 only: level 2 compiles with Inductor, too slow for a unit test.
+SMALL = ["--levels", "0,1", "--batch-sizes", "1,3", "--new-tokens", "4", "--repeats", "1"]
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[DemoRow]:
+    return run_demo(levels=[0, 1], batch_sizes=[1, 3], prompt_len=4, new_tokens=4, repeats=1)
+
+
+def test_demo_prints_a_table_and_succeeds(capsys):
+    assert main(["demo", *SMALL]) == 0
+    out = capsys.readouterr().out
+    for text in ("eager", "level 0", "level 1", "tokens/s", "yes", "prefill + decode"):
+        assert text in out
+    assert "NO" not in out
+
+
+def test_run_demo_gives_one_row_per_variant_and_batch(rows):
+    assert [(r.variant, r.batch) for r in rows] == [
+        (variant, batch) for variant in ("eager", "level 0", "level 1") for batch in (1, 3)
+    ]
+    assert all(r.tokens_equal for r in rows)
+    assert all(r.tokens_per_s > 0 for r in rows)
+    assert all(r.graphs is None for r in rows if r.variant == "eager")
+
+
+def test_one_level_1_module_serves_every_batch_size(rows):
+    level_1 = [r for r in rows if r.variant == "level 1"]
+    # Dynamo may specialise batch size 1; any other size must reuse the dynamic graph.
+    assert level_1[-1].graphs <= 2
+
+
+def test_verbose_prints_each_level_report_summary(capsys):
+    assert main(["demo", *SMALL, "--levels", "0", "--verbose"]) == 0
+    assert "level 0: graphopt report: graph_opt_level=0" in capsys.readouterr().out
+
+
+def test_tokens_that_differ_from_eager_fail_the_demo(monkeypatch, capsys):
+    differing = [DemoRow("eager", 2, 10.0, 1.0, 0.0, None, True),
+                 DemoRow("level 1", 2, 20.0, 2.0, 0.5, 1, False, "graphopt report: ...")]
+    monkeypatch.setattr(cli, "run_demo", lambda *args, **kwargs: differing)
+    assert main(["demo"]) == 1
+    out = capsys.readouterr().out
+    assert "NO" in out and "level 1, batch 2: tokens differ from eager's" in out
+
+
+@pytest.mark.parametrize("args, option, allowed", [
+    (["--batch-sizes", "1,17"], "--batch-sizes", "1..16"),
+    (["--batch-sizes", "x"], "--batch-sizes", "1..16"),
+    (["--levels", "3"], "--levels", "0..2"),
+    (["--repeats", "0"], "--repeats", ">= 1"),
+    (["--prompt-len", "100", "--new-tokens", "29"], "--new-tokens", "128"),
+])
+def test_bad_options_are_usage_errors_naming_the_option(args, option, allowed, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert option in err and allowed in err
+
+
+def test_no_command_prints_help_and_returns_2(capsys):
+    assert main([]) == 2
+    assert "demo" in capsys.readouterr().out

@@ -1,0 +1,59 @@
+import pytest
+import torch
+
+from graphopt.lowering import lower_to_bindings
+from support import aot_graph
+
+aten = torch.ops.aten
+
+
+def model(x, w, idx):
+    h = torch.nn.functional.linear(x, w).view(2, -1)
+    h = torch.softmax(h[:, 1:-1] * 0.5, dim=-1) + h[:, :3].sum()
+    return torch.cat([h, h[idx]], 0).to(torch.float64)
+
+
+ARGS = (torch.randn(4, 8), torch.randn(6, 8), torch.tensor([1, 0]))
+
+
+def test_lowered_graph_computes_the_same():
+    graph = aot_graph(model, *ARGS)
+    expected = graph(*ARGS)
+    lowered = lower_to_bindings(graph.gm)
+    actual = lowered(*[ARGS[i] for i in graph.order])
+    for a, b in zip(actual, expected):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_original_graph_stays_aten():
+    graph = aot_graph(model, *ARGS)
+    lower_to_bindings(graph.gm)
+    ops = [n.target for n in graph.gm.graph.nodes if n.op == "call_function"]
+    assert all(isinstance(t, torch._ops.OpOverload) for t in ops)
+
+
+def test_ops_use_bindings_or_keep_their_overload():
+    graph = aot_graph(model, *ARGS)
+    lowered = lower_to_bindings(graph.gm)
+    for node in lowered.graph.nodes:
+        if node.op != "call_function":
+            continue
+        # every node is either lowered to a C binding or still an exact OpOverload
+        assert isinstance(node.target, torch._ops.OpOverload) or type(node.target).__name__ in (
+            "builtin_function_or_method", "method_descriptor"), node.target
+    bound = [n.target for n in lowered.graph.nodes if n.op == "call_function"
+             and not isinstance(n.target, torch._ops.OpOverload)]
+    assert torch._C._VariableFunctions.narrow in bound  # slice with constant bounds
+    assert len(bound) >= len(list(lowered.graph.nodes)) // 2
+
+
+@pytest.mark.parametrize("start,end", [(0, 3), (1, -1), (-3, None), (2, 10**18), (-10, 2), (4, 2)])
+def test_slice_as_narrow_matches_slice_bounds(start, end):
+    x = torch.arange(20.0).view(4, 5)
+
+    def fn(x):
+        return x[:, start:end] * 1.0
+
+    graph = aot_graph(fn, x)
+    lowered = lower_to_bindings(graph.gm)
+    torch.testing.assert_close(lowered(x)[0], fn(x), atol=0, rtol=0)
