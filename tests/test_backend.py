@@ -38,3 +38,16 @@ def test_backend_options_are_validated(decoder):
     with pytest.raises(Exception, match=r"use_cuda_graph.*did you mean 'use_cudagraph'"):
         with torch.inference_mode():
             compiled(*decode_inputs(2))
+
+
+def test_frozen_inputs_are_handed_to_the_passes_only_when_parameters_are_frozen(decoder):
+    frozen = graphopt.optimize(decoder, graphopt.GraphOptimizationConfig(use_cudagraph=False, freeze_parameters=True))
+    live = graphopt.optimize(decoder, graphopt.GraphOptimizationConfig(use_cudagraph=False))
+    with torch.inference_mode():
+        frozen(*decode_inputs(3))
+        live(*decode_inputs(3))
+    handed = frozen.graphs()[0].meta["graphopt_frozen_inputs"]
+    named = dict(decoder.named_parameters()) | dict(decoder.named_buffers())
+    assert len(handed) == len(named)
+    assert {id(t) for t in handed.values()} == {id(t) for t in named.values()}
+    assert "graphopt_frozen_inputs" not in live.graphs()[0].meta

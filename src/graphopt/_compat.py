@@ -153,3 +153,17 @@ def outside_fake_mode() -> Any:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
+
+
+def input_kinds(gm: torch.fx.GraphModule) -> list[str]:
+    """For each placeholder of a Dynamo graph: "parameter", "buffer" or "input",
+    read from the source Dynamo recorded for it."""
+    kinds = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        name = getattr(source, "name", "")
+        name = name() if callable(name) else str(name)  # a method before torch 2.12, a property since
+        kinds.append("parameter" if "._parameters[" in name else "buffer" if "._buffers[" in name else "input")
+    return kinds

@@ -59,17 +59,18 @@ class GraphoptCompiler:
             return gm.forward
         record = GraphRecord(index=len(self.report.graphs))
         self.report.graphs.append(record)
-        real_inputs = [_compat.concrete(x) for x in example_inputs]
+        real_inputs = _aot_args(gm, [_compat.concrete(x) for x in example_inputs])
+        kinds = ["parameter"] * (len(real_inputs) - len(example_inputs)) + _compat.input_kinds(gm)
         start = time.perf_counter()
         if level == 1:
             def fw_compiler(aot_gm: torch.fx.GraphModule, _fake_inputs: list) -> Callable:
-                self._optimize(aot_gm, record, _aot_args(gm, real_inputs))
+                self._optimize(aot_gm, record, real_inputs, kinds)
                 return _compat.boxed(lower_to_bindings(aot_gm))
 
             compiled = _compat.aot_inference(gm, example_inputs, fw_compiler)
         else:
             def post_grad_pass(graph: torch.fx.Graph) -> None:
-                self._optimize(graph.owning_module, record, _aot_args(gm, real_inputs))
+                self._optimize(graph.owning_module, record, real_inputs, kinds)
 
             device = _device_type(real_inputs)
             compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass,
@@ -77,15 +78,27 @@ class GraphoptCompiler:
         record.compile_seconds = time.perf_counter() - start
         return compiled
 
-    def _optimize(self, gm: torch.fx.GraphModule, record: GraphRecord, inputs: list) -> None:
+    def _optimize(self, gm: torch.fx.GraphModule, record: GraphRecord, inputs: list, kinds: list[str]) -> None:
+        """Run the level's passes on the ATen graph `gm`, whose placeholders take
+        `inputs` (real tensors; `kinds` says which are parameters and buffers)."""
         record.nodes_before = _count_ops(gm.graph)
+        matched = _inputs_match(gm, inputs)
+        if self.config.freeze_parameters and matched:
+            # Constant folding may treat these as constants; mutated buffers it must skip itself.
+            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            gm.meta["graphopt_frozen_inputs"] = {
+                node.name: value for node, value, kind in zip(placeholders, inputs, kinds)
+                if kind in ("parameter", "buffer")}
         verify_inputs = None
         if self.config.verify:
-            if _inputs_match(gm, inputs):
+            if matched:
                 verify_inputs = inputs
             else:
                 self.report.fallback("verify skipped: the ATen graph's inputs do not match Dynamo's "
                                      "example inputs (AOTAutograd added or merged inputs)")
+        if self.config.freeze_parameters and not matched:
+            self.report.fallback("freeze_parameters: the ATen graph's inputs do not match Dynamo's "
+                                 "example inputs, so parameters stay live inputs")
         PassManager(self.config, self.report).run(gm, record.index, verify_inputs)
         record.nodes_after = _count_ops(gm.graph)
         self.graph_modules.append(gm)
@@ -107,7 +120,8 @@ def graphopt_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
 
 
 def _aot_args(gm: torch.fx.GraphModule, inputs: list) -> list:
-    """AOTAutograd's inputs: the module's own parameters and buffers, then Dynamo's."""
+    """AOTAutograd's inputs: the Dynamo graph's own parameters and buffers (none
+    when Dynamo lifts them, as torch >= 2.5 does), then Dynamo's inputs."""
     return [*dict(gm.named_parameters(remove_duplicate=False)).values(),
             *dict(gm.named_buffers(remove_duplicate=False)).values(), *inputs]
 
