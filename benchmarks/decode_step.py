@@ -33,6 +33,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--steps", type=int, default=50, help="steps per round")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--device-graphs", default="1",
+                        help="levels to also run with device graphs (host graphs on CPU), e.g. 0,1")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -44,11 +46,16 @@ def main() -> None:
     for level in (int(x) for x in args.levels.split(",")):
         variants[f"level {level}"] = graphopt.optimize(
             model, graphopt.GraphOptimizationConfig(graph_opt_level=level, use_cudagraph=False))
+    for level in (int(x) for x in args.device_graphs.split(",") if x):
+        variants[f"level {level} + device graphs"] = graphopt.optimize(
+            model, graphopt.GraphOptimizationConfig(graph_opt_level=level, cudagraph_capture_sizes=batch_sizes),
+            pad_values={"slots": model.scratch_slot})
     times: dict[tuple[str, int], list[float]] = {(v, b): [] for v in variants for b in batch_sizes}
     with torch.inference_mode():
-        for step in variants.values():  # compile, then warm every batch size
+        for step in variants.values():  # compile, capture, then warm every batch size
             for batch in batch_sizes:
-                step(*step_inputs(config, batch))
+                for _ in range(4):
+                    step(*step_inputs(config, batch))
         for _ in range(args.rounds):
             for batch in batch_sizes:
                 inputs = step_inputs(config, batch)

@@ -4,7 +4,7 @@ from graphopt import cli
 from graphopt.cli import DemoRow, main, run_demo
 
 # Levels 0 and 1 only: level 2 compiles with Inductor, too slow for a unit test.
-SMALL = ["--levels", "0,1", "--batch-sizes", "1,3", "--new-tokens", "4", "--repeats", "1"]
+SMALL = ["--levels", "0,1", "--device-graphs", "1", "--batch-sizes", "1,3", "--new-tokens", "4", "--repeats", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -15,7 +15,7 @@ def rows() -> list[DemoRow]:
 def test_demo_prints_a_table_and_succeeds(capsys):
     assert main(["demo", *SMALL]) == 0
     out = capsys.readouterr().out
-    for text in ("eager", "level 0", "level 1", "tokens/s", "yes", "prefill + decode"):
+    for text in ("eager", "level 0", "level 1", "level 1 + graphs", "tokens/s", "yes", "prefill + decode"):
         assert text in out
     assert "NO" not in out
 
@@ -36,7 +36,7 @@ def test_one_level_1_module_serves_every_batch_size(rows):
 
 
 def test_verbose_prints_each_level_report_summary(capsys):
-    assert main(["demo", *SMALL, "--levels", "0", "--verbose"]) == 0
+    assert main(["demo", *SMALL, "--levels", "0", "--device-graphs", "0", "--verbose"]) == 0
     assert "level 0: graphopt report: graph_opt_level=0" in capsys.readouterr().out
 
 

@@ -10,16 +10,23 @@ from .backend import graphopt_backend
 from .config import GraphOptimizationConfig
 from .passes.manager import PassResult, PassVerificationError
 from .report import Report
+from .runtime.device_graph import DeviceGraph, graph_pool_handle
+from .runtime.safety import CaptureError, CaptureProblem, check
 
 register_dynamo_backend("graphopt", graphopt_backend)
 
 __all__ = [
+    "CaptureError",
+    "CaptureProblem",
+    "DeviceGraph",
     "DynamicDims",
     "GraphOptimizationConfig",
     "OptimizedModule",
     "PassResult",
     "PassVerificationError",
     "Report",
+    "check",
+    "graph_pool_handle",
     "graphopt_backend",
     "optimize",
     "support_graph_optimization",

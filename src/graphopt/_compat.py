@@ -167,3 +167,59 @@ def input_kinds(gm: torch.fx.GraphModule) -> list[str]:
         name = name() if callable(name) else str(name)  # a method before torch 2.12, a property since
         kinds.append("parameter" if "._parameters[" in name else "buffer" if "._buffers[" in name else "input")
     return kinds
+
+
+def allow_recompiles(count: int) -> None:
+    """Let Dynamo keep `count` graphs per function (one per capture size when
+    shapes are static) before it gives up and runs eagerly."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), count))
+
+
+def current_dispatch_mode() -> Any:
+    """The innermost TorchDispatchMode of this thread, or None."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode()
+
+
+def known_true(condition: Any) -> bool:
+    """True when `condition` (a bool or a SymBool over symbolic sizes) holds for every
+    value of its symbols; False when unknown. Never adds a guard."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(condition))
+
+
+def output_batch_dims(fn: Callable, leaves: list, spec: Any, dims: list) -> list:
+    """For each output leaf of `fn`, the dim that follows the batch, found by
+    running `fn` on fake tensors whose dynamic dims are symbolic: no real work,
+    no side effects. Raises ValueError for an output a batch slice cannot give."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+    from torch.utils._pytree import tree_leaves, tree_unflatten
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    fakes, batch = [], set()
+    for leaf, dim in zip(leaves, dims):
+        if not isinstance(leaf, torch.Tensor):
+            fakes.append(leaf)
+            continue
+        sizes = [DimDynamic.DYNAMIC if d == dim else DimDynamic.STATIC for d in range(leaf.dim())]
+        fake = mode.from_tensor(leaf, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
+        if dim is not None and isinstance(fake.shape[dim], torch.SymInt):
+            batch.add(fake.shape[dim].node.expr)
+        fakes.append(fake)
+    args, kwargs = tree_unflatten(fakes, spec)
+    with mode:
+        outputs = tree_leaves(fn(*args, **kwargs))
+    found = []
+    for out in outputs:
+        follows = [d for d, s in enumerate(getattr(out, "shape", ())) if isinstance(s, torch.SymInt)
+                   and s.node.expr.free_symbols & {sym for expr in batch for sym in expr.free_symbols}]
+        if len(follows) > 1 or (follows and out.shape[follows[0]].node.expr not in batch):
+            raise ValueError(f"an output of shape {tuple(out.shape)} depends on the batch size in a way a "
+                             "slice of its rows cannot undo")
+        found.append(follows[0] if follows else None)
+    return found

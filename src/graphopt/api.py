@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
+import sys
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -61,19 +63,79 @@ class OptimizedModule(torch.nn.Module):
             report.fallback("graph_opt_level=2: Inductor found no C++ compiler for CPU code; "
                             "running level 1 (install gcc or clang to compile)")
             self._compiler = GraphoptCompiler(config.replace(graph_opt_level=1), report)
-        if config.use_cudagraph:
-            report.fallback("use_cudagraph: the device-graph runtime (GraphRunner) is not built yet; "
-                            "the step runs without device graphs")
         level = self._compiler.config.graph_opt_level
-        step = model if level == 0 else torch.compile(model, backend=self._compiler)
+        # Inductor's generated CPU kernels bypass the ATen dispatcher, so no host graph
+        # can record them: level 2 on CPU pads to capture sizes instead, one
+        # static-shape kernel per size.
+        padded_only = config.use_cudagraph and level == 2 and _on_cpu(model)
+        if level == 0:
+            step = model
+        elif padded_only:
+            _compat.allow_recompiles(len(config.cudagraph_capture_sizes) + 2)
+            step = torch.compile(model, backend=self._compiler, dynamic=False)
+        else:
+            step = torch.compile(model, backend=self._compiler)
         # A plain attribute, not a submodule: torch.compile's wrapper holds `model`
         # again, and state_dict() would list every weight twice.
         object.__setattr__(self, "_step", step)
+        self._marks_dynamic = level > 0 and not padded_only
+        self._runner = None
+        if config.use_cudagraph:
+            if padded_only:
+                report.fallback("use_cudagraph with graph_opt_level=2 on CPU: Inductor's C++ kernels "
+                                "cannot be recorded on a host graph; inputs are padded to capture sizes "
+                                "so each size runs a static-shape kernel")
+            from .runtime.runner import GraphRunner  # the runtime loads only when device graphs are on
+
+            owner = getattr(model, "__self__", model)
+            self._runner = GraphRunner(
+                self._call_step, config, report, self._leaf_dims, self._leaf_pads,
+                owner if isinstance(owner, torch.nn.Module) else None, trace=model,
+                declared_dims=self.dynamic_dims is not None, device_graphs=not padded_only)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._step is not self.model and not self._compiler.compiled_dynamic:
+        if self._runner is not None:
+            return self._runner(args, kwargs)
+        return self._call_step(*args, **kwargs)
+
+    def _call_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._marks_dynamic and not self._compiler.compiled_dynamic:
             self._mark_dynamic(args, kwargs)
         return self._step(*args, **kwargs)
+
+    def capture_all(self, *args: Any, **kwargs: Any) -> None:
+        """Capture a device graph for every capture size now (largest first), from
+        these example inputs or, without any, the last call's."""
+        if self._runner is None:
+            raise RuntimeError("capture_all() needs use_cudagraph=True in the config")
+        if not args and not kwargs:
+            if self._runner.last_call is None:
+                raise ValueError("capture_all() needs example inputs: pass them, or call the module once first")
+            args, kwargs = self._runner.last_call
+        with _capture_progress(len(self._runner.sizes)) as advance:
+            self._runner.capture_all(args, kwargs, advance)
+
+    def _leaf_dims(self, args: tuple, kwargs: dict) -> list[int | None]:
+        """The dynamic dim of every leaf of tree_flatten((args, kwargs))."""
+        dims: list[int | None] = []
+        for name, value in self._named(args, kwargs):
+            for leaf in (value,) if isinstance(value, torch.Tensor) else tree_leaves(value):
+                if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+                    dims.append(None)
+                elif self.dynamic_dims is None:
+                    dims.append(0)
+                else:
+                    dim = self.dynamic_dims.get(name) if leaf is value else None
+                    dims.append(None if dim is None else dim % leaf.dim())
+        return dims
+
+    def _leaf_pads(self, args: tuple, kwargs: dict) -> list[float | int]:
+        return [self.pad_values.get(name, 0) for name, value in self._named(args, kwargs)
+                for _ in tree_leaves(value)]
+
+    def _named(self, args: tuple, kwargs: dict) -> list[tuple[str | None, Any]]:
+        return [(self._params[i] if i < len(self._params) else None, a) for i, a in enumerate(args)] + \
+               list(kwargs.items())
 
     def _mark_dynamic(self, args: tuple, kwargs: dict) -> None:
         if self.dynamic_dims is None:
@@ -133,6 +195,19 @@ def support_graph_optimization(cls: type) -> type:
 
     cls.__init__ = __init__
     return cls
+
+
+@contextlib.contextmanager
+def _capture_progress(total: int) -> Iterator[Callable[[int], None]]:
+    """A progress bar on a terminal; silence elsewhere."""
+    if not sys.stderr.isatty():
+        yield lambda size: None
+        return
+    from rich.progress import Progress
+
+    with Progress(transient=True) as progress:
+        task = progress.add_task("capturing device graphs", total=total)
+        yield lambda size: progress.update(task, advance=1, description=f"capturing size {size}")
 
 
 def _resolve_dynamic_dims(forward: Callable, params: list[str],

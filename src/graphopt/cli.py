@@ -36,7 +36,8 @@ class DemoRow:
 
 
 def run_demo(levels: Sequence[int], batch_sizes: Sequence[int], prompt_len: int, new_tokens: int,
-             repeats: int, progress: Callable[[str], None] = lambda _: None) -> list[DemoRow]:
+             repeats: int, progress: Callable[[str], None] = lambda _: None,
+             device_graph_levels: Sequence[int] = ()) -> list[DemoRow]:
     """Greedy generation with the tiny decoder, eagerly and at each of `levels`;
     one row per (variant, batch size), eager's rows first.
 
@@ -48,9 +49,12 @@ def run_demo(levels: Sequence[int], batch_sizes: Sequence[int], prompt_len: int,
     prompts = torch.randint(TINY.vocab_size, (max(batch_sizes), prompt_len))
     steps: dict[str, Callable] = {"eager": model}
     for level in levels:
-        # use_cudagraph=False: the device-graph runtime comes in a later issue.
         steps[f"level {level}"] = optimize(model, GraphOptimizationConfig(graph_opt_level=level,
                                                                           use_cudagraph=False))
+    for level in device_graph_levels:
+        # Capture exactly the demo's batch sizes; padded rows write to the scratch cache slot.
+        config = GraphOptimizationConfig(graph_opt_level=level, cudagraph_capture_sizes=list(batch_sizes))
+        steps[f"level {level} + graphs"] = optimize(model, config, pad_values={"slots": model.scratch_slot})
     rows: dict[tuple[str, int], DemoRow] = {}
     with torch.inference_mode():
         for batch in batch_sizes:
@@ -90,7 +94,7 @@ def _table(rows: list[DemoRow], repeats: int) -> Table:
                f"(prefill + decode), best of {repeats}")
     table = Table(title="graphopt demo: greedy generation", caption=caption)
     for name in ("variant", "batch", "tokens/s", "speed-up", "warm-up s", "graphs", "tokens = eager"):
-        table.add_column(name, justify="left" if name == "variant" else "right")
+        table.add_column(name, justify="left" if name == "variant" else "right", no_wrap=name == "variant")
     for r in rows:
         # A negative overhead is timing noise: the warm-up did no extra work.
         table.add_row(r.variant, str(r.batch), f"{r.tokens_per_s:,.0f}", f"{r.speedup:.2f}x",
@@ -104,7 +108,8 @@ def _demo(args: argparse.Namespace) -> int:
     spinner = console.status("starting") if console.is_terminal else nullcontext()
     with spinner as status:
         rows = run_demo(args.levels, args.batch_sizes, args.prompt_len, args.new_tokens,
-                        args.repeats, progress=status.update if status else lambda _: None)
+                        args.repeats, progress=status.update if status else lambda _: None,
+                        device_graph_levels=args.device_graphs)
     console.print(_table(rows, args.repeats))
     if args.verbose:
         summaries = {r.variant: r.summary for r in rows if r.summary}  # the last row's: the final state
@@ -150,6 +155,9 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     demo.add_argument("--levels", type=_int_list(min(GRAPH_OPT_LEVELS), max(GRAPH_OPT_LEVELS)),
                       default=list(GRAPH_OPT_LEVELS), metavar="L,...",
                       help="graph_opt_levels to run (default: 0,1,2)")
+    demo.add_argument("--device-graphs", type=_int_list(min(GRAPH_OPT_LEVELS), max(GRAPH_OPT_LEVELS)),
+                      default=[0, 1], metavar="L,...",
+                      help="levels to run again with device graphs (host graphs on CPU; default: 0,1)")
     demo.add_argument("--batch-sizes", type=_int_list(1, TINY.max_num_seqs), default=[1, 4, 16],
                       metavar="B,...", help=f"batch sizes in 1..{TINY.max_num_seqs}, the decoder's "
                                             "max_num_seqs (default: 1,4,16)")

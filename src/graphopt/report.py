@@ -43,11 +43,28 @@ class GraphRecord:
 
 
 @dataclass
+class CaptureRecord:
+    """One device graph captured for one capture size."""
+
+    size: int
+    nbytes: int
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"size": self.size, "bytes": self.nbytes, "capture_seconds": round(self.seconds, 3)}
+
+
+@dataclass
 class Report:
     level: int
     graphs: list[GraphRecord] = field(default_factory=list)
     passes: list[PassRecord] = field(default_factory=list)
     fallbacks: Counter = field(default_factory=Counter)
+    capture_sizes: list[int] = field(default_factory=list)
+    captures: list[CaptureRecord] = field(default_factory=list)
+    pool_bytes: int = 0
+    recaptures: int = 0
+    replays: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def fallback(self, reason: str) -> None:
@@ -68,6 +85,11 @@ class Report:
             "passes": [p.to_dict() for p in self.passes],
             "compile_seconds": round(self.compile_seconds, 3),
             "fallbacks": dict(self.fallbacks),
+            "capture_sizes": list(self.capture_sizes),
+            "captures": [c.to_dict() for c in self.captures],
+            "pool_bytes": self.pool_bytes,
+            "recaptures": self.recaptures,
+            "replays": self.replays,
         }
 
     def __str__(self) -> str:
@@ -80,6 +102,11 @@ class Report:
                 counts = ", ".join(f"{k}={v}" for k, v in p.counts.items()) or "-"
                 mark = "changed" if p.changed else "no change"
                 lines.append(f"    {p.name:<28} {mark:<10} {counts}")
+        if self.captures:
+            sizes = ", ".join(str(c.size) for c in self.captures)
+            lines.append(f"  device graphs: {len(self.captures)} captured (sizes {sizes}), pool "
+                         f"{self.pool_bytes / 2**20:.2f} MiB, {self.replays} replays, "
+                         f"{self.recaptures} recaptures")
         if self.fallbacks:
             lines.append("  fallbacks:")
             lines.extend(f"    {n} x {reason}" for reason, n in self.fallbacks.items())

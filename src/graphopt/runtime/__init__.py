@@ -1,0 +1,1 @@
+"""The device-graph runtime: host and CUDA graphs, capture safety, and the GraphRunner."""

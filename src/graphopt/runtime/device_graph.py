@@ -1,0 +1,81 @@
+"""DeviceGraph: one captured, replayable step, on whichever device the model runs.
+
+The same API on both backends: `capture_begin()`, run the step, `capture_end()`,
+then `replay()` as often as needed; `reset()` frees what the graph holds. On CUDA
+it is a `torch.cuda.CUDAGraph`; on the CPU a host graph (a recorded ATen tape
+replayed on the captured tensors). Device graphs know nothing of batch sizes or
+padding: that is the GraphRunner's job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Sequence
+
+import torch
+
+CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+
+
+def default_place() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def graph_pool_handle(place: torch.device | str | None = None) -> Any:
+    """A memory pool that device graphs on `place` can share (pool mode 1)."""
+    device = torch.device(place) if place is not None else default_place()
+    if device.type == "cuda":
+        return torch.cuda.graph_pool_handle()
+    from .host_graph import HostPool
+
+    return HostPool()
+
+
+class DeviceGraph:
+    def __init__(self, place: torch.device | str | None = None, mode: str = "thread_local",
+                 pool: Any = None):
+        if mode not in CAPTURE_ERROR_MODES:
+            raise ValueError(f"mode must be one of {CAPTURE_ERROR_MODES}, got {mode!r}")
+        self.device = torch.device(place) if place is not None else default_place()
+        self.mode = mode
+        if self.device.type == "cuda":
+            from .cuda_graph import CudaGraph
+
+            self._graph = CudaGraph(self.device, mode, pool)
+        elif self.device.type == "cpu":
+            from .host_graph import HostGraph
+
+            self._graph = HostGraph(pool)
+        else:
+            raise ValueError(f"device graphs run on CUDA or the CPU, not {self.device}")
+
+    def capture_begin(self) -> None:
+        self._graph.capture_begin()
+
+    def capture_end(self, outputs: Sequence[torch.Tensor] | None = None) -> None:
+        """End the capture. `outputs` (optional) are the tensors that must stay
+        valid after a replay; the host backend reuses the memory of the rest."""
+        self._graph.capture_end(outputs)
+
+    def replay(self) -> None:
+        self._graph.replay()
+
+    def reset(self) -> None:
+        self._graph.reset()
+
+    def abort(self) -> None:
+        """End a capture whose step raised, and free what it recorded."""
+        if self.device.type == "cuda":
+            with contextlib.suppress(RuntimeError):  # the capture may already be invalidated
+                self._graph.capture_end()
+        self._graph.reset()
+
+    @property
+    def executes_during_capture(self) -> bool:
+        """A host graph runs the step while recording it; a CUDA graph only records."""
+        return self.device.type == "cpu"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of pool memory this graph's intermediates and outputs take."""
+        return self._graph.nbytes

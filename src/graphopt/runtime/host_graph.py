@@ -1,0 +1,440 @@
+"""The CPU's device graph: a recorded ATen tape, replayed on the same buffers.
+
+Between `capture_begin()` and `capture_end()` the function runs normally, and every
+ATen op it issues in this thread is recorded (a `TorchDispatchMode` below a raising
+`CaptureGuard`, so what a CUDA capture would refuse is refused here too). `replay()`
+runs the tape again on the same tensor objects, each op writing where it wrote at
+capture, so outputs land in the same buffers every time, as with a CUDA graph:
+
+- an op with an `out=` overload is replayed through it, via torch's Python binding
+  when that provably dispatches to the same overload (~1 us, against ~3 us boxed);
+- in-place ops (`add_`, `index_put_`, `copy_`) run as they are; views need nothing;
+- a non-aliasing `to`, `_to_copy`, `clone`, `reshape`, `contiguous` or `flatten` is
+  a `copy_` into its output;
+- any other op is computed, then copied into its output: the only replays that
+  allocate, counted in `copy_replays`.
+
+Replays run under `torch.inference_mode()`: a host graph records no autograd history.
+
+Memory. At `capture_end` every allocation made during capture (intermediates and
+outputs; never tensors that existed before, such as static inputs, parameters or a
+KV cache) moves into its `HostPool`'s arena with `Tensor.set_`, a base and its views
+together, so the tape and the caller's references see the new memory. Offsets are
+planned by lifetime (from the op that creates an allocation to the last op that
+touches it; `outputs` live to the end), largest first, 64-byte aligned. Graphs of
+one pool share one arena sized to the largest need, so replaying one overwrites the
+others' outputs, as in a CUDA graph pool. Outputs keep their captured values.
+
+Decisions:
+- Random ops are replayed and draw fresh numbers from their generator at every
+  replay, as eager does (and as a CUDA graph does with the default generator).
+- Python values computed during capture are baked into the tape: shapes, and any
+  number derived in Python. That is why reading a tensor's value into Python
+  (`.item()`, `bool(t)`) is a `CaptureError`.
+- Tensors created during capture that the caller keeps must be among `outputs`;
+  any other may be overwritten by a later op of the same replay.
+
+Not thread-safe: capture in one thread (the recorder is thread-local), and never
+replay one graph, or two graphs of one pool, from two threads at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from .. import _compat
+from .safety import CaptureGuard
+
+_ALIGN = 64
+# Factory arguments an out= overload takes from its `out` tensor instead.
+_OPTIONS = frozenset({"dtype", "layout", "device", "pin_memory"})
+# Ops whose non-aliasing result is `self`'s values in another dtype, device, layout or shape.
+_COPIES = frozenset({"to", "_to_copy", "clone", "reshape", "contiguous", "flatten"})
+# Ops that change a tensor object's metadata; their effect persists, replaying them would repeat it.
+_METADATA = frozenset({"set_", "resize_", "resize_as_"})
+_OUT_NAMESPACES = (torch._C._VariableFunctions, torch._C._nn, torch._C._linalg, torch._C._special, torch._C._fft)
+_INPLACE_NAMESPACES = (torch._C.TensorBase, torch._C._VariableFunctions)
+
+
+class HostPool:
+    """Arena memory shared by host graphs: the CPU analogue of a CUDA graph pool.
+    Graphs sharing a pool share one arena whose size is the largest need, not the sum."""
+
+    def __init__(self) -> None:
+        self._storage = torch.UntypedStorage(0)
+        self._graphs: weakref.WeakSet[HostGraph] = weakref.WeakSet()
+
+    @property
+    def nbytes(self) -> int:
+        """Current arena size in bytes."""
+        return self._storage.nbytes()
+
+    def _fit(self) -> None:
+        """Size the arena to the largest need of the graphs that use it. Growing
+        resizes the storage in place: every tensor on it follows. Shrinking (after a
+        reset) moves the graphs' own tensors to a smaller storage; any other tensor on
+        the old one (a caller's view, an output of the reset graph) keeps that memory
+        alive, frozen, rather than pointing past the end of the new one."""
+        need = max((g.nbytes for g in self._graphs), default=0)
+        if need > self.nbytes:
+            self._storage.resize_(need)
+        elif need < self.nbytes:
+            old, self._storage = self._storage, torch.UntypedStorage(need)
+            _bytes(self._storage, 0, need).copy_(_bytes(old, 0, need))
+            with torch.inference_mode():
+                for graph in self._graphs:
+                    for t in graph._placed:
+                        t.set_(self._storage, t.storage_offset(), t.size(), t.stride())
+
+
+class HostGraph:
+    """One captured, replayable step on the CPU (see the module docstring)."""
+
+    def __init__(self, pool: HostPool | None = None):
+        if pool is not None and not isinstance(pool, HostPool):
+            raise TypeError(f"HostGraph(pool=...) takes a HostPool, got {type(pool).__name__}")
+        self.pool = pool if pool is not None else HostPool()
+        self._tape: tuple[tuple[Callable, tuple, dict], ...] | None = None
+        self._placed: list[torch.Tensor] = []  # every tensor object this graph moved into the arena
+        self._nbytes = 0
+        self._copy_replays = 0
+        self._modes: tuple[_Recorder, CaptureGuard] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Arena bytes this graph's intermediates and outputs need (0 before capture)."""
+        return self._nbytes
+
+    @property
+    def copy_replays(self) -> int:
+        """Ops replayed as compute + copy_ (no out= form): the replays that allocate."""
+        return self._copy_replays
+
+    def capture_begin(self) -> None:
+        """Start recording this thread's ATen ops, under a raising `CaptureGuard`."""
+        if self._modes is not None:
+            raise RuntimeError("HostGraph.capture_begin(): this graph is already capturing; call capture_end() first")
+        self.reset()
+        recorder, guard = _Recorder(), CaptureGuard()
+        # The guard is entered last, so it sees each op first: one it refuses never reaches the recorder.
+        recorder.__enter__()
+        guard.__enter__()
+        self._modes = (recorder, guard)
+
+    def capture_end(self, outputs: Sequence[torch.Tensor] | None = None) -> None:
+        """Stop recording, move what the capture allocated into the pool's arena,
+        and build the replay tape. `outputs` (any nesting of tensors) are what the
+        caller reads after replay; None means any intermediate may escape, so none
+        shares memory with another (correct, but a bigger arena)."""
+        recorder = self._stop("capture_end")
+        escaping = None if outputs is None else _tensors(outputs)
+        try:
+            with torch.inference_mode():
+                allocations, fresh = _analyse(recorder.records, escaping)
+                self._nbytes = _place(allocations)
+                self.pool._graphs.add(self)
+                self.pool._fit()
+                self._placed = _move(allocations, self.pool._storage)
+                entries = [_replay_entry(*record, new, self._placed) for record, new in zip(recorder.records, fresh)]
+                self._tape = tuple(entry for entry in entries if entry is not None)
+        except BaseException:
+            self.reset()  # never leave a half-built graph holding a share of the pool
+            raise
+        self._copy_replays = sum(isinstance(fn, _Recompute) for fn, _, _ in self._tape)
+
+    def replay(self) -> None:
+        """Run the captured ops again, writing into the tensors they wrote at capture."""
+        if self._tape is None:
+            raise RuntimeError("HostGraph.replay(): " + (
+                "capture is still in progress; call capture_end() first" if self._modes is not None else
+                "nothing is captured (never captured, or reset() since); capture it again before replaying"))
+        with torch.inference_mode():
+            for fn, args, kwargs in self._tape:
+                fn(*args, **kwargs)
+
+    def reset(self) -> None:
+        """Free what the graph holds: its tape, its references to tensors, and its
+        share of the pool (the arena shrinks to the largest remaining need). Aborts a
+        capture in progress, e.g. after the captured code raised."""
+        if self._modes is not None:
+            self._stop("reset")
+        self._tape, self._placed, self._nbytes, self._copy_replays = None, [], 0, 0
+        if self in self.pool._graphs:
+            self.pool._graphs.discard(self)
+            self.pool._fit()
+
+    def _stop(self, caller: str) -> _Recorder:
+        if self._modes is None:
+            raise RuntimeError(f"HostGraph.{caller}(): no capture in progress; call capture_begin() first")
+        recorder, guard = self._modes
+        if _compat.current_dispatch_mode() is not guard:
+            raise RuntimeError(f"HostGraph.{caller}() must run in the thread that called capture_begin(), "
+                               "after every dispatch mode entered since has exited")
+        self._modes = None
+        guard.__exit__(None, None, None)
+        recorder.__exit__(None, None, None)
+        return recorder
+
+    def __repr__(self) -> str:
+        ops = "not captured" if self._tape is None else f"{len(self._tape)} ops"
+        return f"HostGraph({ops}, nbytes={self.nbytes}, copy_replays={self.copy_replays})"
+
+
+class _Recorder(TorchDispatchMode):
+    """Runs each op and records (op, args, kwargs, result)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[Any, tuple, dict, Any]] = []
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # record a compiled step's ops, not Dynamo's tracing (see CaptureGuard)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        self.records.append((func, args, kwargs, result))
+        return result
+
+
+# -- memory: which allocations the capture made, when they live, where they go --------------
+
+@dataclass
+class _Allocation:
+    storage: torch.UntypedStorage
+    first: int  # index of the op that created it
+    last: int  # index of the last op that touches it (through any view)
+    tensors: dict[int, torch.Tensor] = field(default_factory=dict)  # every tensor object on it, by id
+    escapes: bool = False  # read after the graph: lives to the end, keeps its captured values
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        self.size = -(-self.storage.nbytes() // _ALIGN) * _ALIGN  # bytes it takes in the arena
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    """Identity of a tensor's memory: its storage's address. Every tensor the capture
+    sees is kept alive until capture_end, so no address is reused meanwhile. None for
+    tensors without memory of their own (empty, meta, not strided)."""
+    if t.layout != torch.strided:
+        return None
+    storage = t.untyped_storage()
+    return storage.data_ptr() if storage.nbytes() > 0 and storage.data_ptr() != 0 else None
+
+
+def _analyse(records: list, escaping: list[torch.Tensor] | None) -> tuple[list[_Allocation], list[list[bool]]]:
+    """The CPU allocations the recorded ops created, with their lifetimes, and for
+    each op which of its tensor outputs are new memory (False: a view of an input,
+    or memory that existed before). Storages first seen as an input existed before
+    the capture, or are constants made outside the dispatcher: they never move."""
+    made: dict[int, _Allocation] = {}
+    seen: set[int | None] = set()
+    fresh: list[list[bool]] = []
+
+    def touch(t: torch.Tensor, key: int | None, i: int) -> None:
+        if key in made:
+            made[key].last = i
+            made[key].tensors[id(t)] = t
+
+    for i, (_, args, kwargs, result) in enumerate(records):
+        for t in _tensors((args, kwargs)):
+            key = _storage_key(t)
+            seen.add(key)
+            touch(t, key, i)
+        new_here: set[int] = set()
+        flags = []
+        for t in _tensors(result):
+            key = _storage_key(t)
+            is_new = key is not None and (key not in seen or key in new_here)
+            if is_new and key not in new_here:
+                new_here.add(key)
+                if t.device.type == "cpu":
+                    made[key] = _Allocation(t.untyped_storage(), i, i)
+            flags.append(is_new)
+            touch(t, key, i)
+        seen |= new_here
+        fresh.append(flags)
+    for key in made if escaping is None else map(_storage_key, escaping):
+        if key in made:
+            made[key].last, made[key].escapes = len(records), True
+    return list(made.values()), fresh
+
+
+def _place(allocations: list[_Allocation]) -> int:
+    """Greedy offsets, largest first: the lowest gap that no allocation alive at the
+    same time occupies. Returns the arena bytes needed."""
+    placed: list[_Allocation] = []
+    for a in sorted(allocations, key=lambda a: (-a.size, a.first)):
+        busy = sorted((b.offset, b.offset + b.size) for b in placed if b.first <= a.last and a.first <= b.last)
+        a.offset = 0
+        for start, stop in busy:
+            if a.offset + a.size <= start:
+                break
+            a.offset = max(a.offset, stop)
+        placed.append(a)
+    return max((a.offset + a.size for a in allocations), default=0)
+
+
+def _move(allocations: list[_Allocation], arena: torch.UntypedStorage) -> list[torch.Tensor]:
+    """Point every tensor of each allocation at its place in the arena, keeping its
+    offset within the allocation; escaping allocations (which never overlap) take
+    their captured values along. Returns the tensors moved."""
+    moved = []
+    for a in allocations:
+        if a.escapes:
+            _bytes(arena, a.offset, a.storage.nbytes()).copy_(_bytes(a.storage, 0, a.storage.nbytes()))
+        for t in a.tensors.values():
+            t.set_(arena, a.offset // t.element_size() + t.storage_offset(), t.size(), t.stride())
+            moved.append(t)
+    return moved
+
+
+def _bytes(storage: torch.UntypedStorage, offset: int, nbytes: int) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(storage, offset, (nbytes,), (1,))
+
+
+# -- the tape: how each recorded op is replayed ---------------------------------------------
+
+def _replay_entry(op: Any, args: tuple, kwargs: dict, result: Any, fresh: list[bool],
+                  placed: list[torch.Tensor]) -> tuple[Callable, tuple, dict] | None:
+    """How to replay one recorded op so it writes where it wrote at capture; None
+    when nothing needs replaying (views, metadata changes, non-tensor results)."""
+    if torch.Tag.inplace_view in op.tags or op.overloadpacket.__name__ in _METADATA:
+        return None
+    if op._schema.is_mutable:
+        return _binding(op, args, kwargs, kwargs, _INPLACE_NAMESPACES) or op, args, kwargs
+    if not any(fresh):
+        return None
+    outputs = _tensors(result)
+    if op.overloadpacket.__name__ in _COPIES and len(outputs) == 1:
+        target = outputs[0] if outputs[0].shape == args[0].shape else outputs[0].view(args[0].shape)
+        if target is not outputs[0]:
+            placed.append(target)  # a new view on the arena: the pool must move it with the rest
+        return target.copy_, (args[0],), {}
+    found = _out_overload(op)
+    if found is not None and all(fresh):
+        out_op, out_names, dropped = found
+        kept = {k: v for k, v in kwargs.items() if k not in dropped}
+        values = list(result) if isinstance(result, tuple) else [result]
+        op_kwargs = {**kept, **dict(zip(out_names, values))}
+        call_kwargs = {**kept, "out": values[0] if len(values) == 1 else tuple(values)}
+        binding = _binding(out_op, args, call_kwargs, op_kwargs, _OUT_NAMESPACES)
+        return (binding, args, call_kwargs) if binding is not None else (out_op, args, op_kwargs)
+    return _Recompute(op, args, kwargs, [t if new else None for t, new in zip(outputs, fresh)]), (), {}
+
+
+class _Recompute:
+    """Replay of an op without an out= form: compute, then copy into the outputs captured."""
+
+    def __init__(self, op: Any, args: tuple, kwargs: dict, targets: list[torch.Tensor | None]):
+        self.op, self.args, self.kwargs, self.targets = op, args, kwargs, targets
+
+    def __call__(self) -> None:
+        for target, value in zip(self.targets, _tensors(self.op(*self.args, **self.kwargs))):
+            if target is not None:
+                target.copy_(value)
+
+
+@functools.cache
+def _out_overload(op: Any) -> tuple[Any, tuple[str, ...], frozenset[str]] | None:
+    """The out= overload computing `op`: same arguments (less factory options such as
+    dtype, which the out tensor carries), one `out` argument per return.
+    Returns (overload, out argument names, dropped argument names)."""
+    arguments = op._schema.arguments
+    for name in op.overloadpacket.overloads():
+        candidate = getattr(op.overloadpacket, name)
+        outs = [a.name for a in candidate._schema.arguments if a.is_out]
+        rest = [a for a in candidate._schema.arguments if not a.is_out]
+        if not outs or len(outs) != len(op._schema.returns):
+            continue
+        kept = {a.name for a in rest}
+        dropped = [a for a in arguments if a.name not in kept]
+        if any(a.name not in _OPTIONS or not a.kwarg_only for a in dropped):
+            continue
+        signature = [(a.name, str(a.type), a.kwarg_only) for a in arguments if a.name in kept]
+        if signature == [(a.name, str(a.type), a.kwarg_only) for a in rest]:
+            return candidate, tuple(outs), frozenset(a.name for a in dropped)
+    return None
+
+
+# (overload, argument structure) -> the Python binding that calls exactly it, or None
+_bindings: dict[tuple, Callable | None] = {}
+
+
+def _binding(op: Any, args: tuple, call_kwargs: dict, op_kwargs: dict, namespaces: tuple) -> Callable | None:
+    """torch's Python binding of `op` (e.g. `torch.mm` for `aten.mm.out`) when
+    `binding(*args, **call_kwargs)` dispatches exactly one op, `op`, with exactly
+    `(args, op_kwargs)`; checked once per argument structure, on meta tensors."""
+    key = (op, _structure(args), _structure(call_kwargs))
+    if key not in _bindings:
+        name = op._schema.name.split("::")[-1]
+        candidates = [getattr(ns, name) for ns in namespaces if hasattr(ns, name)]
+        _bindings[key] = next((b for b in candidates if _calls_exactly(b, op, args, call_kwargs, op_kwargs)), None)
+    return _bindings[key]
+
+
+class _Dispatches(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Any, tuple, dict]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func, args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def _calls_exactly(binding: Callable, op: Any, args: tuple, call_kwargs: dict, op_kwargs: dict) -> bool:
+    metas: dict[int, torch.Tensor] = {}
+
+    def meta(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) not in metas:
+            metas[id(x)] = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+        return metas[id(x)]
+
+    try:
+        args, call_kwargs, op_kwargs = tree_map(meta, (args, call_kwargs, op_kwargs))
+        dispatches = _Dispatches()
+        with dispatches:
+            binding(*args, **call_kwargs)
+    except Exception:  # noqa: BLE001 - a binding that cannot take these arguments is simply not used
+        return False
+    return len(dispatches.calls) == 1 and dispatches.calls[0][0] is op and _same(dispatches.calls[0][1:],
+                                                                                  (args, op_kwargs))
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal arguments: the same tensor objects, equal values of the same type."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+def _structure(value: Any) -> Any:
+    """What decides a binding's overload and argument mapping: argument kinds, not
+    values (except dtypes and the like, which can pick overloads)."""
+    if isinstance(value, torch.Tensor):
+        return "T"
+    if isinstance(value, (list, tuple)):
+        return tuple(_structure(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _structure(v)) for k, v in value.items())
+    return value if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)) \
+        else type(value).__name__

@@ -1,0 +1,274 @@
+"""GraphRunner rules, on the CPU's host graphs (the same tests run on CUDA when one is present)."""
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+import graphopt
+from graphopt.config import tolerance
+from graphopt.models import Decoder, DecoderConfig, generate
+from support import decode_inputs
+
+ATOL, RTOL = tolerance(torch.float32)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def twin_decoders(device="cpu"):
+    torch.manual_seed(0)
+    eager = Decoder(DecoderConfig.tiny()).eval().to(device)
+    model = Decoder(DecoderConfig.tiny()).eval().to(device)
+    model.load_state_dict(eager.state_dict())
+    return eager, model
+
+
+def runner_config(level=1, **kw):
+    kw.setdefault("cudagraph_capture_sizes", [1, 2, 4, 8])
+    return graphopt.GraphOptimizationConfig(graph_opt_level=level, use_cudagraph=True, **kw)
+
+
+def optimized(model, level=1, **kw):
+    return graphopt.optimize(model, runner_config(level, **kw), pad_values={"slots": model.scratch_slot})
+
+
+def warm_and_capture(opt, *inputs):
+    """Two warm-up calls, then the call that captures (cudagraph_num_of_warmups=2)."""
+    for _ in range(3):
+        opt(*inputs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("level", [0, 1])
+def test_random_batch_stream_gives_eager_tokens(device, level):
+    eager, model = twin_decoders(device)
+    opt = optimized(model, level)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        batch = int(torch.randint(1, 9, (1,), generator=generator))
+        prompt = torch.randint(0, 512, (batch, 5), generator=generator).to(device)
+        assert torch.equal(generate(model, prompt, 6, step=opt), generate(eager, prompt, 6))
+    report = opt.report()
+    assert report.replays > 0 and report.captures
+    assert {c.size for c in report.captures} <= {1, 2, 4, 8}
+    assert not any("refused" in reason for reason in report.fallbacks)
+
+
+def test_padding_goes_to_the_capture_size_and_the_scratch_slot():
+    eager, model = twin_decoders()
+    opt = optimized(model)
+    with torch.inference_mode():
+        for position in range(3):
+            inputs = decode_inputs(3, position)
+            torch.testing.assert_close(opt(*inputs), eager(*inputs), atol=ATOL, rtol=RTOL)
+    assert [c.size for c in opt.report().captures] == [4]
+    for ours, theirs in zip(model.buffers(), eager.buffers()):
+        if ours.dim() == 4:  # caches: real rows equal; only the scratch row may differ
+            torch.testing.assert_close(ours[:-1], theirs[:-1], atol=ATOL, rtol=RTOL)
+
+
+def test_batch_above_the_largest_capture_size_falls_back():
+    eager, model = twin_decoders()
+    opt = optimized(model)
+    with torch.inference_mode():
+        inputs = decode_inputs(12)
+        torch.testing.assert_close(opt(*inputs), eager(*inputs), atol=ATOL, rtol=RTOL)
+        opt(*decode_inputs(12))
+    (reason,) = opt.report().fallbacks
+    assert "batch size 12 is above the largest capture size 8" in reason
+    assert opt.report().fallbacks[reason] == 2
+
+
+def test_moved_cache_and_new_parameters_cause_recapture_and_fresh_results():
+    eager, model = twin_decoders()
+    opt = optimized(model)
+    inputs = decode_inputs(2)
+    with torch.inference_mode():
+        warm_and_capture(opt, *inputs)
+        eager(*inputs)
+        for module in (model, eager):  # a cache reassigned elsewhere in memory
+            attention = module.layers[0].self_attn
+            attention.k_cache = attention.k_cache.clone()
+        torch.testing.assert_close(opt(*inputs), eager(*inputs), atol=ATOL, rtol=RTOL)
+        assert opt.report().recaptures == 1
+        new_weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight))
+        model.lm_head.weight = new_weight
+        eager.lm_head.weight = torch.nn.Parameter(new_weight.detach().clone())
+        torch.testing.assert_close(opt(*inputs), eager(*inputs), atol=ATOL, rtol=RTOL)
+        assert opt.report().recaptures == 2
+
+
+def test_load_state_dict_in_place_is_seen_without_recapture():
+    eager, model = twin_decoders()
+    opt = optimized(model)
+    inputs = decode_inputs(2)
+    with torch.inference_mode():
+        opt(*inputs)
+    torch.manual_seed(7)
+    fresh = Decoder(DecoderConfig.tiny()).state_dict()
+    model.load_state_dict(fresh)
+    eager.load_state_dict(fresh)
+    with torch.inference_mode():
+        torch.testing.assert_close(opt(*inputs), eager(*inputs), atol=ATOL, rtol=RTOL)
+    assert opt.report().recaptures == 0
+
+
+def test_shared_pool_is_smaller_than_separate_pools():
+    def pool_bytes(**kw):
+        _, model = twin_decoders()
+        opt = optimized(model, **kw)
+        with torch.inference_mode():
+            opt.capture_all(*decode_inputs(3))
+        assert [c.size for c in opt.report().captures] == [8, 4, 2, 1]
+        return opt.report().pool_bytes, sum(c.nbytes for c in opt.report().captures)
+
+    shared, parts = pool_bytes()
+    separate, _ = pool_bytes(reuse_pool_in_same_graph=False)
+    assert shared < 0.6 * separate
+    assert separate == parts
+
+
+def test_user_pool_is_shared_across_runners():
+    pool = graphopt.graph_pool_handle("cpu")
+    _, first = twin_decoders()
+    _, second = twin_decoders()
+    a, b = optimized(first, graph_pool=pool), optimized(second, graph_pool=pool)
+    with torch.inference_mode():
+        a.capture_all(*decode_inputs(8))
+        b.capture_all(*decode_inputs(4))
+    assert pool.nbytes == max(c.nbytes for c in a.report().captures + b.report().captures)
+
+
+def sync_inside(x):
+    scale = x.abs().max().item()  # a device->host sync: cannot be captured
+    return x / scale
+
+
+def test_capture_refused_runs_the_callable_and_says_where():
+    opt = graphopt.optimize(sync_inside, runner_config(0))
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(opt(x), sync_inside(x))
+    (reason,) = opt.report().fallbacks
+    assert "capture of size 4 refused" in reason and "_local_scalar_dense" in reason
+    assert "test_runner.py" in reason
+
+
+def test_held_outputs_warn_once_without_clone_output():
+    _, model = twin_decoders()
+    opt = optimized(model)
+    with torch.inference_mode(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warm_and_capture(opt, *decode_inputs(2))
+        first = opt(*decode_inputs(2))
+        kept = first.clone()
+        second = opt(*decode_inputs(2, position=1))
+        opt(*decode_inputs(2, position=2))
+    held = [w for w in caught if "clone_output" in str(w.message)]
+    assert len(held) == 1
+    assert first.data_ptr() == second.data_ptr()  # the same static buffer, overwritten
+    assert not torch.equal(first, kept)
+
+
+def test_clone_output_returns_fresh_tensors():
+    _, model = twin_decoders()
+    opt = optimized(model, clone_output=True)
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warm_and_capture(opt, *decode_inputs(2))
+        first = opt(*decode_inputs(2))
+        kept = first.clone()
+        second = opt(*decode_inputs(2, position=1))
+    assert first.data_ptr() != second.data_ptr()
+    assert torch.equal(first, kept)
+
+
+def test_four_threads_get_their_own_results():
+    eager, model = twin_decoders()
+    opt = optimized(model)
+    batches = [1, 2, 3, 4]
+    with torch.inference_mode():
+        opt.capture_all(*decode_inputs(4))
+    expected = {}
+    results = {}
+
+    def call(batch):
+        ids, positions, _ = decode_inputs(batch)
+        slots = torch.arange(4 * (batch - 1), 4 * (batch - 1) + batch)  # disjoint cache rows
+        with torch.inference_mode():
+            for _ in range(20):
+                results[batch] = opt(ids, positions, slots)
+            expected[batch] = (ids, positions, slots)
+
+    threads = [threading.Thread(target=call, args=(b,)) for b in batches]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    with torch.inference_mode():
+        for batch in batches:
+            torch.testing.assert_close(results[batch], eager(*expected[batch]), atol=ATOL, rtol=RTOL)
+
+
+def write_state(x, state):
+    state.add_(x.sum(0))
+    return state * 2
+
+
+def test_mutated_input_is_written_in_place_once_per_call_and_a_moved_one_recaptures():
+    opt = graphopt.optimize(write_state, runner_config(0), dynamic_dims={"x": 0})
+    state = torch.zeros(4)
+    x = torch.ones(3, 4)
+    for _ in range(4):  # two warm-ups, the capture, a replay: each one real call
+        opt(x, state)
+    torch.testing.assert_close(state, torch.full((4,), 12.0))
+    assert [c.size for c in opt.report().captures] == [4] and opt.report().replays == 1
+    moved = torch.zeros(4)
+    torch.testing.assert_close(opt(x, moved), torch.full((4,), 6.0))
+    torch.testing.assert_close(moved, torch.full((4,), 3.0))
+    torch.testing.assert_close(state, torch.full((4,), 12.0))
+    assert opt.report().recaptures == 1
+
+
+def two_batch_dims(x):
+    return x[:, None] * x[None, :]
+
+
+def test_outputs_that_cannot_be_sliced_fall_back():
+    opt = graphopt.optimize(two_batch_dims, runner_config(0))
+    x = torch.randn(3)
+    torch.testing.assert_close(opt(x), two_batch_dims(x))
+    assert any("a slice of its rows cannot undo" in reason for reason in opt.report().fallbacks)
+
+
+def test_level_2_on_cpu_pads_to_static_shapes():
+    eager, model = twin_decoders()
+    opt = optimized(model, 2, cudagraph_capture_sizes=[4, 8])
+    with torch.inference_mode():
+        for batch in (3, 4, 7):
+            inputs = decode_inputs(batch)
+            torch.testing.assert_close(opt(*inputs), eager(*inputs), atol=ATOL, rtol=RTOL)
+    assert any("Inductor's C++ kernels cannot be recorded" in r for r in opt.report().fallbacks)
+    assert opt.report().captures == []
+    assert len(opt.report().graphs) == 2  # one static-shape kernel per capture size
+
+
+def test_report_lists_runtime_figures():
+    _, model = twin_decoders()
+    opt = optimized(model)
+    with torch.inference_mode():
+        for position in range(5):  # two warm-ups, the capture, two replays
+            opt(*decode_inputs(3, position))
+    report = opt.report().to_dict()
+    assert report["capture_sizes"] == [1, 2, 4, 8]
+    assert report["captures"][0]["size"] == 4 and report["captures"][0]["bytes"] > 0
+    assert report["replays"] == 2 and report["recaptures"] == 0 and report["pool_bytes"] > 0
+    assert "device graphs: 1 captured" in str(opt.report())
+
+
+def test_capture_all_needs_inputs_once():
+    _, model = twin_decoders()
+    opt = optimized(model)
+    with pytest.raises(ValueError, match="capture_all\\(\\) needs example inputs"):
+        opt.capture_all()
+    with pytest.raises(RuntimeError, match="needs use_cudagraph=True"):
+        graphopt.optimize(model, graphopt.GraphOptimizationConfig(use_cudagraph=False)).capture_all()
