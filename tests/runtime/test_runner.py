@@ -32,6 +32,10 @@ def optimized(model, level=1, **kw):
     return graphopt.optimize(model, runner_config(level, **kw), pad_values={"slots": model.scratch_slot})
 
 
+def step_inputs(device, batch, position=5):
+    return tuple(x.to(device) for x in decode_inputs(batch, position))
+
+
 def warm_and_capture(opt, *inputs):
     """Two warm-up calls, then the call that captures (cudagraph_num_of_warmups=2)."""
     for _ in range(3):
@@ -54,12 +58,13 @@ def test_random_batch_stream_gives_eager_tokens(device, level):
     assert not any("refused" in reason for reason in report.fallbacks)
 
 
-def test_padding_goes_to_the_capture_size_and_the_scratch_slot():
-    eager, model = twin_decoders()
+@pytest.mark.parametrize("device", DEVICES)
+def test_padding_goes_to_the_capture_size_and_the_scratch_slot(device):
+    eager, model = twin_decoders(device)
     opt = optimized(model)
     with torch.inference_mode():
         for position in range(3):
-            inputs = decode_inputs(3, position)
+            inputs = step_inputs(device, 3, position)
             torch.testing.assert_close(opt(*inputs), eager(*inputs), atol=ATOL, rtol=RTOL)
     assert [c.size for c in opt.report().captures] == [4]
     for ours, theirs in zip(model.buffers(), eager.buffers()):
@@ -67,22 +72,24 @@ def test_padding_goes_to_the_capture_size_and_the_scratch_slot():
             torch.testing.assert_close(ours[:-1], theirs[:-1], atol=ATOL, rtol=RTOL)
 
 
-def test_batch_above_the_largest_capture_size_falls_back():
-    eager, model = twin_decoders()
+@pytest.mark.parametrize("device", DEVICES)
+def test_batch_above_the_largest_capture_size_falls_back(device):
+    eager, model = twin_decoders(device)
     opt = optimized(model)
     with torch.inference_mode():
-        inputs = decode_inputs(12)
+        inputs = step_inputs(device, 12)
         torch.testing.assert_close(opt(*inputs), eager(*inputs), atol=ATOL, rtol=RTOL)
-        opt(*decode_inputs(12))
+        opt(*step_inputs(device, 12))
     (reason,) = opt.report().fallbacks
     assert "batch size 12 is above the largest capture size 8" in reason
     assert opt.report().fallbacks[reason] == 2
 
 
-def test_moved_cache_and_new_parameters_cause_recapture_and_fresh_results():
-    eager, model = twin_decoders()
+@pytest.mark.parametrize("device", DEVICES)
+def test_moved_cache_and_new_parameters_cause_recapture_and_fresh_results(device):
+    eager, model = twin_decoders(device)
     opt = optimized(model)
-    inputs = decode_inputs(2)
+    inputs = step_inputs(device, 2)
     with torch.inference_mode():
         warm_and_capture(opt, *inputs)
         eager(*inputs)
@@ -98,12 +105,14 @@ def test_moved_cache_and_new_parameters_cause_recapture_and_fresh_results():
         assert opt.report().recaptures == 2
 
 
-def test_load_state_dict_in_place_is_seen_without_recapture():
-    eager, model = twin_decoders()
+@pytest.mark.parametrize("device", DEVICES)
+def test_load_state_dict_in_place_is_seen_without_recapture(device):
+    eager, model = twin_decoders(device)
     opt = optimized(model)
-    inputs = decode_inputs(2)
+    inputs = step_inputs(device, 2)
     with torch.inference_mode():
-        opt(*inputs)
+        warm_and_capture(opt, *inputs)
+    assert opt.report().captures
     torch.manual_seed(7)
     fresh = Decoder(DecoderConfig.tiny()).state_dict()
     model.load_state_dict(fresh)
@@ -153,47 +162,50 @@ def test_capture_refused_runs_the_callable_and_says_where():
     assert "test_runner.py" in reason
 
 
-def test_held_outputs_warn_once_without_clone_output():
-    _, model = twin_decoders()
+@pytest.mark.parametrize("device", DEVICES)
+def test_held_outputs_warn_once_without_clone_output(device):
+    _, model = twin_decoders(device)
     opt = optimized(model)
     with torch.inference_mode(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        warm_and_capture(opt, *decode_inputs(2))
-        first = opt(*decode_inputs(2))
+        warm_and_capture(opt, *step_inputs(device, 2))
+        first = opt(*step_inputs(device, 2))
         kept = first.clone()
-        second = opt(*decode_inputs(2, position=1))
-        opt(*decode_inputs(2, position=2))
+        second = opt(*step_inputs(device, 2, position=1))
+        opt(*step_inputs(device, 2, position=2))
     held = [w for w in caught if "clone_output" in str(w.message)]
     assert len(held) == 1
     assert first.data_ptr() == second.data_ptr()  # the same static buffer, overwritten
     assert not torch.equal(first, kept)
 
 
-def test_clone_output_returns_fresh_tensors():
-    _, model = twin_decoders()
+@pytest.mark.parametrize("device", DEVICES)
+def test_clone_output_returns_fresh_tensors(device):
+    _, model = twin_decoders(device)
     opt = optimized(model, clone_output=True)
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("error")
-        warm_and_capture(opt, *decode_inputs(2))
-        first = opt(*decode_inputs(2))
+        warm_and_capture(opt, *step_inputs(device, 2))
+        first = opt(*step_inputs(device, 2))
         kept = first.clone()
-        second = opt(*decode_inputs(2, position=1))
+        second = opt(*step_inputs(device, 2, position=1))
     assert first.data_ptr() != second.data_ptr()
     assert torch.equal(first, kept)
 
 
-def test_four_threads_get_their_own_results():
-    eager, model = twin_decoders()
+@pytest.mark.parametrize("device", DEVICES)
+def test_four_threads_get_their_own_results(device):
+    eager, model = twin_decoders(device)
     opt = optimized(model)
     batches = [1, 2, 3, 4]
     with torch.inference_mode():
-        opt.capture_all(*decode_inputs(4))
+        opt.capture_all(*step_inputs(device, 4))
     expected = {}
     results = {}
 
     def call(batch):
-        ids, positions, _ = decode_inputs(batch)
-        slots = torch.arange(4 * (batch - 1), 4 * (batch - 1) + batch)  # disjoint cache rows
+        ids, positions, _ = step_inputs(device, batch)
+        slots = torch.arange(4 * (batch - 1), 4 * (batch - 1) + batch, device=device)  # disjoint cache rows
         with torch.inference_mode():
             for _ in range(20):
                 results[batch] = opt(ids, positions, slots)
