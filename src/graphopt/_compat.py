@@ -170,11 +170,12 @@ def input_kinds(gm: torch.fx.GraphModule) -> list[str]:
 
 
 def allow_recompiles(count: int) -> None:
-    """Let Dynamo keep `count` graphs per function (one per capture size when
-    shapes are static) before it gives up and runs eagerly."""
+    """Let Dynamo keep `count` more graphs per function before it gives up and runs
+    eagerly. Its limit counts every graph of a code object, across every
+    torch.compile of it: each optimized copy of one model needs its own share."""
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, name, max(getattr(config, name), count))
+    setattr(config, name, getattr(config, name) + count)
 
 
 def current_dispatch_mode() -> Any:

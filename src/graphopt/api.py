@@ -71,9 +71,10 @@ class OptimizedModule(torch.nn.Module):
         if level == 0:
             step = model
         elif padded_only:
-            _compat.allow_recompiles(len(config.cudagraph_capture_sizes) + 2)
+            _compat.allow_recompiles(len(config.cudagraph_capture_sizes))
             step = torch.compile(model, backend=self._compiler, dynamic=False)
         else:
+            _compat.allow_recompiles(2)  # batch size 1, then one graph for every other size
             step = torch.compile(model, backend=self._compiler)
         # A plain attribute, not a submodule: torch.compile's wrapper holds `model`
         # again, and state_dict() would list every weight twice.
