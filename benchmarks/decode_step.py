@@ -5,6 +5,7 @@ interleaved rounds in one process, so drift on a shared machine hits them alike;
 the table shows the best round (steady state) and the median, per step.
 
     python benchmarks/decode_step.py --batch-sizes 1,8,16 --threads 1
+    python benchmarks/decode_step.py --device cuda --device-graphs 0,1 --levels 1,2   # on a GPU
 """
 
 from __future__ import annotations
@@ -21,14 +22,16 @@ import graphopt
 from graphopt.models import Decoder, DecoderConfig
 
 
-def step_inputs(config: DecoderConfig, batch: int) -> tuple[torch.Tensor, ...]:
+def step_inputs(config: DecoderConfig, batch: int, device: str) -> tuple[torch.Tensor, ...]:
     ids = torch.randint(0, config.vocab_size, (batch,), generator=torch.Generator().manual_seed(batch))
-    return ids, torch.full((batch,), 7), torch.arange(batch)
+    return tuple(x.to(device) for x in (ids, torch.full((batch,), 7), torch.arange(batch)))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", default="1,8,16")
+    parser.add_argument("--config", choices=["tiny", "bench"], default="tiny")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--levels", default="1,2")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--steps", type=int, default=50, help="steps per round")
@@ -38,9 +41,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    config = DecoderConfig.tiny()
+    config = getattr(DecoderConfig, args.config)()
     torch.manual_seed(0)
-    model = Decoder(config).eval()
+    model = Decoder(config).eval().to(args.device)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
     variants = {"eager": model}
     for level in (int(x) for x in args.levels.split(",")):
@@ -55,18 +59,20 @@ def main() -> None:
         for step in variants.values():  # compile, capture, then warm every batch size
             for batch in batch_sizes:
                 for _ in range(4):
-                    step(*step_inputs(config, batch))
+                    step(*step_inputs(config, batch, args.device))
         for _ in range(args.rounds):
             for batch in batch_sizes:
-                inputs = step_inputs(config, batch)
+                inputs = step_inputs(config, batch, args.device)
                 for name, step in variants.items():
+                    sync()
                     start = time.perf_counter()
                     for _ in range(args.steps):
                         step(*inputs)
+                    sync()
                     times[name, batch].append((time.perf_counter() - start) / args.steps * 1e6)
 
-    table = Table(title="decode step, tiny reference decoder",
-                  caption=f"torch {torch.__version__} · cpu · {args.threads} thread(s) · "
+    table = Table(title=f"decode step, {args.config} reference decoder",
+                  caption=f"torch {torch.__version__} · {args.device} · {args.threads} thread(s) · "
                           f"{args.rounds} interleaved rounds of {args.steps} steps")
     for column in ("batch", "variant", "best µs", "median µs", "speed-up (best)", "speed-up (median)"):
         table.add_column(column, justify="right")
