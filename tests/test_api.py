@@ -225,3 +225,31 @@ def test_decorated_class_with_config_runs_optimized():
 def test_decorator_rejects_non_modules():
     with pytest.raises(TypeError, match="decorates an nn.Module subclass"):
         graphopt.support_graph_optimization(lambda x: x)
+
+
+class HalfScaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        return x @ (self.weight * 0.5).t()
+
+
+@pytest.mark.parametrize("device_graphs", [False, True])
+def test_refresh_recomputes_folded_weights(device_graphs):
+    torch.manual_seed(0)
+    model = HalfScaled()
+    cfg = graphopt.GraphOptimizationConfig(use_cudagraph=device_graphs, freeze_parameters=True,
+                                           cudagraph_capture_sizes=[4])
+    opt = graphopt.optimize(model, cfg)
+    x = torch.randn(3, 4)
+    with torch.inference_mode():
+        for _ in range(4):  # warm-ups and the capture, with device graphs
+            before = opt(x).clone()
+        with torch.no_grad():
+            model.weight.mul_(2)
+        # frozen: the folded `weight * 0.5` is a constant until refresh() is called
+        torch.testing.assert_close(opt(x), before)
+        assert opt.refresh() >= 1
+        torch.testing.assert_close(opt(x), model(x), atol=ATOL, rtol=RTOL)

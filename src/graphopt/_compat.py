@@ -140,13 +140,6 @@ def fake_mode_of(gm: torch.fx.GraphModule) -> Any:
     return detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
 
 
-def remove_noop_ops(graph: torch.fx.Graph) -> None:
-    """Inductor's no-op elimination (full slices, same-shape views, x+0, ...)."""
-    from torch._inductor.fx_passes.post_grad import remove_noop_ops as inductor_remove_noop_ops
-
-    inductor_remove_noop_ops(graph)
-
-
 def outside_fake_mode() -> Any:
     """A context that runs real tensors while a compiler's FakeTensorMode is active
     (passes run inside AOTAutograd's and Inductor's tracing)."""

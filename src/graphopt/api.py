@@ -158,6 +158,13 @@ class OptimizedModule(torch.nn.Module):
         """What ran: graphs, passes and their stats, compile times, fallbacks."""
         return self._compiler.report
 
+    def refresh(self) -> int:
+        """After an in-place weight update with freeze_parameters=True: recompute
+        every value constant folding computed from the weights. Returns how many."""
+        from .passes.constant_fold import refresh_folded_constants
+
+        return sum(refresh_folded_constants(gm) for gm in self._compiler.graph_modules)
+
     def graphs(self) -> list[torch.fx.GraphModule]:
         """The final ATen FX graphs, in compile order (none at level 0)."""
         return list(self._compiler.graph_modules)

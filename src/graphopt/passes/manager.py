@@ -2,8 +2,13 @@
 
 A pass is a function `GraphModule -> PassResult` that rewrites the graph in place.
 The manager runs the level's pipeline in order, skips `disabled_passes`, lints the
-graph after every pass, records a `PassRecord` per pass in the report, writes debug
-dumps, and with `verify=True` proves each pass kept the graph's results.
+graph after every pass, records one `PassRecord` per pass in the report (counts
+summed over cleanup rounds), writes debug dumps, and with `verify=True` proves each
+pass kept the graph's results.
+
+The cleanup passes repeat as a group until a round changes nothing (at most
+`CLEANUP_ROUNDS` rounds): one rewrite often enables another (a removed no-op lets
+CSE merge two values, a folded constant turns `x * w` into `x * 1`).
 """
 
 from __future__ import annotations
@@ -39,27 +44,34 @@ class PassVerificationError(RuntimeError):
 
 def builtin_passes() -> dict[str, PassFn]:
     """Every pass graphopt ships, by name (the names `disabled_passes` takes)."""
-    from . import cleanup, reinplace
+    from . import algebraic, cleanup, constant_fold, redundant, reinplace
     from .fusion import linear
 
     return {
         "dce": cleanup.dce,
         "cse": cleanup.cse,
-        "remove_noops": cleanup.remove_noops,
+        "remove_noops": redundant.remove_noops,
+        "remove_redundant": redundant.remove_redundant,
+        "simplify_algebra": algebraic.simplify_algebra,
+        "fold_constants": constant_fold.fold_constants,
         "recompose_linear": linear.recompose_linear,
         "recompose_matmul": linear.recompose_matmul,
         "reinplace_input_mutations": reinplace.reinplace_input_mutations,
     }
 
 
+# Run as a group to a fixed point. Folding comes before the fusions, so they see
+# folded constants; views of weights are never folded, so `t(w)` stays for them.
+CLEANUP = ["dce", "remove_noops", "remove_redundant", "simplify_algebra", "cse", "fold_constants"]
+CLEANUP_ROUNDS = 4
+
 # Mutation-introducing passes go last: the passes before them see a functional graph.
 # At level 2 Inductor re-inplaces input mutations itself and expects a functional graph,
 # and it lowers a decomposed linear better than an `aten.linear` call.
 PIPELINES: dict[int, list[str]] = {
     0: [],
-    1: ["dce", "cse", "remove_noops", "recompose_linear", "recompose_matmul",
-        "reinplace_input_mutations"],
-    2: ["dce", "cse", "remove_noops"],
+    1: [*CLEANUP, "recompose_linear", "recompose_matmul", "reinplace_input_mutations"],
+    2: [*CLEANUP],
 }
 
 
@@ -102,22 +114,61 @@ class PassManager:
             folder = folder / f"graph_{next(_dump_ids):03d}"
             folder.mkdir(parents=True, exist_ok=True)
             _dump(gm, folder / "00_input")
-        expected = _run_graph(gm, verify_inputs) if verify_inputs is not None else None
-        for step, (name, fn) in enumerate(self.pipeline, start=1):
-            start = time.perf_counter()
-            result = fn(gm)
-            gm.graph.lint()
-            gm.recompile()
-            self.report.passes.append(PassRecord(graph_index, name, result.changed,
-                                                 dict(result.counts), time.perf_counter() - start))
-            if folder is not None:
-                _dump(gm, folder / f"{step:02d}_{name}")
-            if expected is not None:
-                actual = _run_graph(gm, verify_inputs)
-                with _compat.outside_fake_mode():
-                    _check_same(name, expected, actual)
-                expected = actual
+        run = _Run(gm, graph_index, self.report, folder, verify_inputs)
+        for group in self._groups():
+            rounds = CLEANUP_ROUNDS if group[0][1] in CLEANUP else 1
+            for round_ in range(1, rounds + 1):
+                changed = [run.step(step, name, fn, round_) for step, name, fn in group]
+                if not any(changed):
+                    break
         return gm
+
+    def _groups(self) -> list[list[tuple[int, str, PassFn]]]:
+        """The pipeline as (step, name, fn), in groups: each run of consecutive
+        cleanup passes is one group, every other pass a group of its own."""
+        groups: list[list[tuple[int, str, PassFn]]] = []
+        for step, (name, fn) in enumerate(self.pipeline, start=1):
+            if groups and name in CLEANUP and groups[-1][-1][1] in CLEANUP:
+                groups[-1].append((step, name, fn))
+            else:
+                groups.append([(step, name, fn)])
+        return groups
+
+
+class _Run:
+    """One pipeline run on one graph: runs passes, and keeps their records, dumps
+    and the reference results verification compares against."""
+
+    def __init__(self, gm: torch.fx.GraphModule, graph_index: int, report: Report,
+                 folder: Path | None, verify_inputs: Sequence[Any] | None):
+        self.gm, self.graph_index, self.report, self.folder = gm, graph_index, report, folder
+        self.verify_inputs = verify_inputs
+        self.expected = _run_graph(gm, verify_inputs) if verify_inputs is not None else None
+        self.records: dict[str, PassRecord] = {}
+
+    def step(self, step: int, name: str, fn: PassFn, round_: int) -> bool:
+        """Run one pass; True when it changed the graph."""
+        start = time.perf_counter()
+        result = fn(self.gm)
+        self.gm.graph.lint()
+        self.gm.recompile()
+        record = self.records.get(name)
+        if record is None:
+            record = self.records[name] = PassRecord(self.graph_index, name, False, {}, 0.0)
+            self.report.passes.append(record)
+        record.changed |= result.changed
+        record.seconds += time.perf_counter() - start
+        for key, count in result.counts.items():
+            record.counts[key] = record.counts.get(key, 0) + count
+        if self.folder is not None and (round_ == 1 or result.changed):
+            suffix = "" if round_ == 1 else f"_round{round_}"
+            _dump(self.gm, self.folder / f"{step:02d}_{name}{suffix}")
+        if self.expected is not None:
+            actual = _run_graph(self.gm, self.verify_inputs)
+            with _compat.outside_fake_mode():
+                _check_same(name, self.expected, actual)
+            self.expected = actual
+        return result.changed
 
 
 def _run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> list[torch.Tensor]:

@@ -1,0 +1,195 @@
+"""Constant folding: compute once, at optimize time, what depends only on constants.
+
+Folded values become non-persistent buffers `_folded_<i>` of the GraphModule, read by
+get_attr nodes. A value computed from frozen parameters keeps a recipe (a small
+GraphModule from those parameters to the value) in `gm.meta`, so that
+`refresh_folded_constants` can recompute it in place after a weight update.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import operator
+
+import torch
+import torch.fx
+from torch.utils._pytree import tree_leaves
+
+from .. import _compat
+from .cleanup import GraphFacts, has_effect, is_view
+from .manager import PassResult
+
+# Set by the backend with freeze_parameters=True: {placeholder name: real tensor}.
+FROZEN_INPUTS = "graphopt_frozen_inputs"
+# Set here: {attribute name: recipe GraphModule}, in the order the values were folded.
+FOLDED_RECIPES = "graphopt_folded_recipes"
+# A folded value may always take this much, even when computed from scalars alone.
+MIN_BOUND_BYTES = 64 * 1024
+
+
+def fold_constants(gm: torch.fx.GraphModule) -> PassResult:
+    """Evaluate each subgraph that reads only constants once; the graph reads the result.
+
+        before:  w = placeholder (a frozen parameter);  s = aten.mul(w, 0.5);  y = aten.mm(x, s)
+        after:   _folded_0 = get_attr[_folded_0];  y = aten.mm(x, _folded_0)
+
+    Constants are tensor attributes (get_attr), ops on constants with constant
+    arguments (`arange`, `full`, `zeros`, ...), and, only with freeze_parameters=True,
+    the parameters and buffers in `gm.meta["graphopt_frozen_inputs"]`, except those
+    the graph writes (a KV cache). Without freezing, parameters stay live inputs, so
+    a later `load_state_dict` is seen.
+
+    Never folded: random ops and ops with effects, values written in place or returned
+    (a returned buffer would be shared by every call), and views of constants: a
+    view costs nothing at run time, and `t(w)` must stay for recompose_linear. A
+    one-element value computed from frozen parameters stays too, because Inductor
+    inlines one-element constants into its kernels, where a refresh cannot reach them.
+
+    Memory bound: a folded value, and every intermediate computed for it, is at most
+    max(the bytes of the constant tensors it is computed from, 64 KiB), so an
+    `expand` of a weight into a huge tensor is not materialised.
+    """
+    frozen = gm.meta.get(FROZEN_INPUTS, {})
+    recipes = gm.meta.setdefault(FOLDED_RECIPES, {})
+    sources = _constants(gm, frozen)
+    # Fold the constants something live needs, directly or through a view (views stay).
+    needed: set[torch.fx.Node] = set()
+    for node in reversed(gm.graph.nodes):
+        if node in sources and any(u not in sources or (u in needed and is_view(u)) for u in node.users):
+            needed.add(node)
+    folds = [n for n in gm.graph.nodes if n in needed and n.op == "call_function" and not is_view(n)]
+    folds = [n for n in folds if not (_from_frozen(sources[n], recipes) and _numel(n) <= 1)]
+    values = _evaluate(gm, folds, frozen)
+    names = (f"_folded_{i}" for i in itertools.count() if not hasattr(gm, f"_folded_{i}"))
+    folded = 0
+    for node in folds:
+        value = values.get(node)
+        if not isinstance(value, torch.Tensor):
+            continue
+        name = next(names)
+        gm.register_buffer(name, value, persistent=False)
+        if _from_frozen(sources[node], recipes):
+            recipes[name] = _recipe(gm, node)
+        with gm.graph.inserting_before(node):
+            attr = gm.graph.get_attr(name)
+        attr.meta = dict(node.meta)
+        node.replace_all_uses_with(attr)
+        folded += 1
+    for node in reversed(gm.graph.nodes):  # what only the folded values read
+        if node in sources and node.op == "call_function" and not node.users:
+            gm.graph.erase_node(node)
+    return PassResult(changed=folded > 0, counts={"folded": folded} if folded else {})
+
+
+def refresh_folded_constants(gm: torch.fx.GraphModule) -> int:
+    """Recompute, in place, every folded value that depends on frozen parameters
+    from their current values; returns how many were recomputed. In place: the
+    buffers keep their addresses, so captured device graphs stay valid."""
+    frozen = gm.meta.get(FROZEN_INPUTS, {})
+    recipes = gm.meta.get(FOLDED_RECIPES, {})
+    with _compat.outside_fake_mode(), torch.inference_mode(False), torch.no_grad():
+        for name, recipe in recipes.items():  # in folding order: later recipes read earlier values
+            args = [frozen[p.target] for p in recipe.graph.find_nodes(op="placeholder")]
+            getattr(gm, name).copy_(recipe(*args))
+    return len(recipes)
+
+
+def _constants(gm: torch.fx.GraphModule, frozen: dict) -> dict[torch.fx.Node, frozenset]:
+    """Every constant node -> the constant tensors (placeholders, get_attrs) it is computed from."""
+    facts = GraphFacts(gm.graph)
+    untouchable = facts.written | facts.returned
+    sources: dict[torch.fx.Node, frozenset] = {}
+    for node in gm.graph.nodes:
+        if node in untouchable:
+            continue
+        if node.op == "placeholder" and node.name in frozen:
+            sources[node] = frozenset([node])
+        elif node.op == "get_attr" and isinstance(_attr(gm, node.target), torch.Tensor):
+            sources[node] = frozenset([node])
+        elif node.op == "call_function" and _foldable_op(node) \
+                and all(i in sources for i in node.all_input_nodes):
+            reads = frozenset().union(*(sources[i] for i in node.all_input_nodes))
+            size = _numel_bytes(node)
+            bound = max(sum(_numel_bytes(r) or 0 for r in reads), MIN_BOUND_BYTES)
+            if size is not None and (is_view(node) or size <= bound):
+                sources[node] = reads
+    return sources
+
+
+def _foldable_op(node: torch.fx.Node) -> bool:
+    target = node.target
+    if has_effect(node):
+        return False
+    if target is operator.getitem:
+        return True
+    return isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable
+
+
+def _numel_bytes(node: torch.fx.Node) -> int | None:
+    """Bytes of the tensors a node computes; None unless they all have static shapes."""
+    leaves = tree_leaves(node.meta.get("val"))
+    if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves) \
+            or not all(isinstance(s, int) for t in leaves for s in t.shape):
+        return None
+    return sum(t.numel() * t.element_size() for t in leaves)
+
+
+def _numel(node: torch.fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.numel() if isinstance(val, torch.Tensor) else 0
+
+
+def _from_frozen(reads: frozenset, recipes: dict) -> bool:
+    """Whether a value changes when a frozen parameter is updated: it reads a frozen
+    placeholder, or a folded value that does."""
+    return any(r.op == "placeholder" or r.target in recipes for r in reads)
+
+
+def _evaluate(gm: torch.fx.GraphModule, folds: list[torch.fx.Node], frozen: dict) -> dict:
+    """Real values of `folds` and of the constants they are computed from. A node
+    whose op fails on real tensors is left out, and so is everything computed from it."""
+    needed = _ancestors(folds)
+    env: dict[torch.fx.Node, object] = {}
+    with _compat.outside_fake_mode(), torch.inference_mode(False), torch.no_grad():
+        for node in gm.graph.nodes:
+            if node not in needed:
+                continue
+            if node.op == "placeholder":
+                env[node] = frozen[node.name]
+            elif node.op == "get_attr":
+                env[node] = _attr(gm, node.target)
+            elif all(i in env for i in node.all_input_nodes):
+                args, kwargs = torch.fx.map_arg((node.args, node.kwargs), env.__getitem__)
+                try:
+                    env[node] = node.target(*args, **kwargs)
+                except Exception:  # noqa: BLE001 - such an op simply stays in the graph
+                    continue
+    return env
+
+
+def _recipe(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.GraphModule:
+    """A GraphModule computing `node` from its constants: one placeholder per frozen
+    parameter (named like the graph's), get_attr for attributes."""
+    part = _ancestors([node])
+    graph, env = torch.fx.Graph(), {}
+    for n in gm.graph.nodes:
+        if n in part:
+            env[n] = graph.node_copy(n, env.__getitem__)
+    graph.output(env[node])
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _ancestors(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    """`nodes` and every node they are computed from."""
+    todo, found = list(nodes), set()
+    while todo:
+        node = todo.pop()
+        if node not in found:
+            found.add(node)
+            todo.extend(node.all_input_nodes)
+    return found
+
+
+def _attr(gm: torch.fx.GraphModule, target: str) -> object:
+    return functools.reduce(getattr, target.split("."), gm)

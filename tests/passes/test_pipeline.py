@@ -1,0 +1,91 @@
+"""The cleanup passes as a pipeline: rounds to a fixed point, their report, both levels."""
+
+import pytest
+import torch
+
+import graphopt
+from graphopt import _compat
+from graphopt.passes import manager
+from graphopt.passes.constant_fold import refresh_folded_constants
+from graphopt.passes.manager import PassResult
+from support import targets
+
+aten = torch.ops.aten
+
+
+def optimized(fn, level=1, **config):
+    return graphopt.optimize(fn, graphopt.GraphOptimizationConfig(
+        graph_opt_level=level, use_cudagraph=False, **config))
+
+
+def needs_two_rounds(x):
+    ones = torch.zeros(8).cos()        # folded in round 1 into a tensor of ones,
+    return (x * ones).relu()           # which makes x * ones an identity in round 2
+
+
+def test_cleanup_runs_to_a_fixed_point_and_reports_each_pass_once(tmp_path):
+    opt = optimized(needs_two_rounds, verify=True, debug_dump_dir=str(tmp_path))
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(opt(x), needs_two_rounds(x))
+
+    (gm,) = opt.graphs()
+    assert targets(gm) == [aten.relu.default]
+    passes = opt.report().to_dict()["passes"]
+    assert [p["name"] for p in passes] == manager.PIPELINES[1]
+    by_name = {p["name"]: p for p in passes}
+    assert by_name["fold_constants"]["counts"] == {"folded": 1}
+    assert by_name["simplify_algebra"]["counts"] == {"identities": 1}
+    assert all(set(p) == {"graph", "name", "changed", "counts", "seconds"} for p in passes)
+    (folder,) = tmp_path.iterdir()
+    step = manager.PIPELINES[1].index("simplify_algebra") + 1
+    assert (folder / f"{step:02d}_simplify_algebra_round2.py").exists()
+
+
+def test_rounds_are_bounded(monkeypatch):
+    calls = []
+
+    def always_changes(gm):
+        calls.append(1)
+        return PassResult(changed=True, counts={"pretended": 1})
+
+    passes = manager.builtin_passes()
+    monkeypatch.setattr(manager, "builtin_passes", lambda: {**passes, "always_changes": always_changes})
+    monkeypatch.setattr(manager, "CLEANUP", ["dce", "always_changes"])
+    monkeypatch.setitem(manager.PIPELINES, 1, ["dce", "always_changes", "recompose_linear"])
+    opt = optimized(lambda x: x * 2)
+    opt(torch.randn(3))
+    assert len(calls) == manager.CLEANUP_ROUNDS
+    record = next(p for p in opt.report().passes if p.name == "always_changes")
+    assert record.counts == {"pretended": manager.CLEANUP_ROUNDS}
+
+
+def test_both_levels_run_the_cleanup_passes():
+    assert manager.PIPELINES[1][:len(manager.CLEANUP)] == manager.CLEANUP
+    assert manager.PIPELINES[2] == manager.CLEANUP
+    fusions = ("recompose_linear", "recompose_matmul")
+    assert all(manager.PIPELINES[1].index("fold_constants") < manager.PIPELINES[1].index(f) for f in fusions)
+
+
+class Projection(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(5, 4))
+
+    def forward(self, x):
+        return x @ (self.weight * 0.5).t()
+
+
+@pytest.mark.skipif(not _compat.inductor_available(), reason="Inductor needs a C++ compiler")
+def test_level_2_folds_and_refreshes_inside_inductor():
+    model = Projection().eval()
+    opt = optimized(model, level=2, freeze_parameters=True)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+        counts = {p.name: p.counts for p in opt.report().passes}
+        assert list(counts) == manager.CLEANUP
+        assert counts["fold_constants"] == {"folded": 1}
+
+        model.weight.mul_(-2)
+        assert sum(refresh_folded_constants(gm) for gm in opt.graphs()) == 1
+        torch.testing.assert_close(opt(x), model(x))
