@@ -5,8 +5,8 @@ boxed operator path: about 3 us a call on CPU, against 0.8 us for `x.view(size)`
 the binding eager code uses. A decode step is hundreds of small ops, so that
 difference alone made the FX graph slower than eager. Here each ATen node is
 retargeted to its binding (`torch.<op>` or the Tensor method) when, and only when,
-calling the binding on the node's fake values dispatches to exactly the node's
-overload; anything else keeps its OpOverload.
+calling the binding on the node's fake values dispatches exactly the node's overload
+with the node's arguments (`bindings.exact_binding`); anything else keeps its OpOverload.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any, Callable
 
 import torch
 import torch.fx
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from . import _compat
+from .bindings import exact_binding
 
 _BINDING_NAMESPACES = (torch._C._VariableFunctions, torch._C._nn, torch._C.TensorBase)
 
@@ -30,23 +30,6 @@ _EQUIVALENT = {
     torch.ops.aten.linear.default: torch._C._nn.linear,
     torch.ops.aten.matmul.default: torch._C._VariableFunctions.matmul,
 }
-
-# (overload, argument structure) -> binding or None; one check serves every node alike.
-_decisions: dict[tuple, Callable | None] = {}
-
-
-class _FirstDispatch(TorchDispatchMode):
-    """Records the first ATen overload a call dispatches to."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.first: torch._ops.OpOverload | None = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.first is None:
-            self.first = func
-        return func(*args, **(kwargs or {}))
-
 
 def lower_to_bindings(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of `gm` whose ATen nodes call torch's Python bindings where that is
@@ -85,21 +68,7 @@ def _binding_for(node: torch.fx.Node, fake_mode: Any) -> Callable | None:
     op = node.target
     if op in _EQUIVALENT:
         return _EQUIVALENT[op]
-    key = (op, _structure(node.args), _structure(node.kwargs))
-    if key in _decisions:
-        return _decisions[key]
-    name = op._schema.name.split("::")[-1]
-    candidates = [getattr(namespace, name, None) for namespace in _BINDING_NAMESPACES]
-    decision = None
-    for binding in (c for c in candidates if c is not None):
-        if _dispatches_to(binding, node, fake_mode) is op:
-            decision = binding
-            break
-    _decisions[key] = decision
-    return decision
 
-
-def _dispatches_to(binding: Callable, node: torch.fx.Node, fake_mode: Any) -> torch._ops.OpOverload | None:
     def value(a: Any) -> Any:
         if isinstance(a, torch.fx.Node):
             if "val" not in a.meta:
@@ -109,14 +78,11 @@ def _dispatches_to(binding: Callable, node: torch.fx.Node, fake_mode: Any) -> to
 
     try:
         args, kwargs = tree_map(value, node.args), tree_map(value, dict(node.kwargs))
-        recorder = _FirstDispatch()
-        with fake_mode:
-            args = _clone_written(node.target, args)
-            with recorder:
-                binding(*args, **kwargs)
-    except Exception:  # noqa: BLE001 - a binding that cannot take these arguments is simply not used
+    except LookupError:
         return None
-    return recorder.first
+    with fake_mode:
+        args = _clone_written(op, args)
+    return exact_binding(op, args, kwargs, kwargs, _BINDING_NAMESPACES, fake_mode)
 
 
 def _clone_written(op: torch._ops.OpOverload, args: tuple) -> tuple:
@@ -124,18 +90,3 @@ def _clone_written(op: torch._ops.OpOverload, args: tuple) -> tuple:
     if op._schema.is_mutable and args and isinstance(args[0], torch.Tensor):
         return (torch.empty_like(args[0]), *args[1:])
     return args
-
-
-def _structure(value: Any) -> Any:
-    """What decides a binding's overload: argument kinds, not values (except
-    dtypes, which pick overloads such as view.dtype)."""
-    if isinstance(value, torch.fx.Node):
-        val = value.meta.get("val")
-        return "T" if isinstance(val, torch.Tensor) else type(val).__name__
-    if isinstance(value, (list, tuple)):
-        return tuple(_structure(v) for v in value)
-    if isinstance(value, dict):
-        return tuple((k, _structure(v)) for k, v in value.items())
-    if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
-        return value
-    return type(value).__name__

@@ -12,7 +12,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import graphopt
 from graphopt import _compat
 from graphopt.config import tolerance
-from graphopt.models import Decoder, DecoderConfig
 from graphopt.runtime.host_graph import HostGraph, HostPool
 from graphopt.runtime.safety import CaptureError
 from support import decode_inputs

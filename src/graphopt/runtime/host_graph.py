@@ -50,6 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .. import _compat
+from ..bindings import exact_binding
 from .safety import CaptureGuard
 
 _ALIGN = 64
@@ -369,33 +370,9 @@ def _out_overload(op: Any) -> tuple[Any, tuple[str, ...], frozenset[str]] | None
     return None
 
 
-# (overload, argument structure) -> the Python binding that calls exactly it, or None
-_bindings: dict[tuple, Callable | None] = {}
-
-
 def _binding(op: Any, args: tuple, call_kwargs: dict, op_kwargs: dict, namespaces: tuple) -> Callable | None:
-    """torch's Python binding of `op` (e.g. `torch.mm` for `aten.mm.out`) when
-    `binding(*args, **call_kwargs)` dispatches exactly one op, `op`, with exactly
-    `(args, op_kwargs)`; checked once per argument structure, on meta tensors."""
-    key = (op, _structure(args), _structure(call_kwargs))
-    if key not in _bindings:
-        name = op._schema.name.split("::")[-1]
-        candidates = [getattr(ns, name) for ns in namespaces if hasattr(ns, name)]
-        _bindings[key] = next((b for b in candidates if _calls_exactly(b, op, args, call_kwargs, op_kwargs)), None)
-    return _bindings[key]
-
-
-class _Dispatches(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[Any, tuple, dict]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls.append((func, args, kwargs or {}))
-        return func(*args, **(kwargs or {}))
-
-
-def _calls_exactly(binding: Callable, op: Any, args: tuple, call_kwargs: dict, op_kwargs: dict) -> bool:
+    """torch's Python binding of `op` (e.g. `torch.mm` for `aten.mm.out`) when it
+    dispatches exactly `op` with these arguments, checked on meta tensors."""
     metas: dict[int, torch.Tensor] = {}
 
     def meta(x: Any) -> Any:
@@ -405,36 +382,5 @@ def _calls_exactly(binding: Callable, op: Any, args: tuple, call_kwargs: dict, o
             metas[id(x)] = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
         return metas[id(x)]
 
-    try:
-        args, call_kwargs, op_kwargs = tree_map(meta, (args, call_kwargs, op_kwargs))
-        dispatches = _Dispatches()
-        with dispatches:
-            binding(*args, **call_kwargs)
-    except Exception:  # noqa: BLE001 - a binding that cannot take these arguments is simply not used
-        return False
-    return len(dispatches.calls) == 1 and dispatches.calls[0][0] is op and _same(dispatches.calls[0][1:],
-                                                                                  (args, op_kwargs))
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equal arguments: the same tensor objects, equal values of the same type."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return a is b
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(map(_same, a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return type(a) is type(b) and a == b
-
-
-def _structure(value: Any) -> Any:
-    """What decides a binding's overload and argument mapping: argument kinds, not
-    values (except dtypes and the like, which can pick overloads)."""
-    if isinstance(value, torch.Tensor):
-        return "T"
-    if isinstance(value, (list, tuple)):
-        return tuple(_structure(v) for v in value)
-    if isinstance(value, dict):
-        return tuple((k, _structure(v)) for k, v in value.items())
-    return value if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)) \
-        else type(value).__name__
+    args, call_kwargs, op_kwargs = tree_map(meta, (args, call_kwargs, op_kwargs))
+    return exact_binding(op, args, call_kwargs, op_kwargs, namespaces)
