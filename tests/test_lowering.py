@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+import graphopt
+
 from graphopt.lowering import lower_to_bindings
 from support import aot_graph
 
@@ -57,3 +59,18 @@ def test_slice_as_narrow_matches_slice_bounds(start, end):
     graph = aot_graph(fn, x)
     lowered = lower_to_bindings(graph.gm)
     torch.testing.assert_close(lowered(x)[0], fn(x), atol=0, rtol=0)
+
+
+def test_view_ops_on_symbolic_shapes_use_bindings():
+    """FakeTensor's own metadata queries (prim.device) must not disqualify a view's binding."""
+    def views(x):
+        return x.view(-1, 2, 2).unsqueeze(0).transpose(1, 2).expand(3, -1, -1, -1) * 2
+
+    opt = graphopt.optimize(views, graphopt.GraphOptimizationConfig(use_cudagraph=False))
+    for batch in (3, 5):  # the second call runs the dynamic-batch graph
+        x = torch.randn(batch, 4)
+        torch.testing.assert_close(opt(x), views(x))
+    lowered = lower_to_bindings(opt.graphs()[-1])
+    overloads = [n.target for n in lowered.graph.nodes
+                 if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
+    assert overloads == []
