@@ -118,10 +118,6 @@ def concrete(value: Any) -> Any:
     return value
 
 
-def reset_dynamo() -> None:
-    torch._dynamo.reset()
-
-
 def same_sizes(a: Sequence, b: Sequence) -> bool:
     """Sizes equal for every value of their symbolic dims (no guard is added)."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
