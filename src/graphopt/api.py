@@ -117,7 +117,8 @@ class OptimizedModule(torch.nn.Module):
             self._runner.capture_all(args, kwargs, advance)
 
     def _leaf_dims(self, args: tuple, kwargs: dict) -> list[int | None]:
-        """The dynamic dim of every leaf of tree_flatten((args, kwargs))."""
+        """The dynamic dim of every leaf of tree_flatten((args, kwargs)): dim 0 of
+        every tensor by default, else the declared dim of each declared argument."""
         dims: list[int | None] = []
         for name, value in self._named(args, kwargs):
             for leaf in (value,) if isinstance(value, torch.Tensor) else tree_leaves(value):
@@ -127,6 +128,9 @@ class OptimizedModule(torch.nn.Module):
                     dims.append(0)
                 else:
                     dim = self.dynamic_dims.get(name) if leaf is value else None
+                    if dim is not None and not -leaf.dim() <= dim < leaf.dim():
+                        raise ValueError(f"dynamic dim {dim} of argument {name!r} is out of range for its "
+                                         f"shape {tuple(leaf.shape)}; fix dynamic_dims={{{name!r}: ...}}")
                     dims.append(None if dim is None else dim % leaf.dim())
         return dims
 
@@ -139,20 +143,10 @@ class OptimizedModule(torch.nn.Module):
                list(kwargs.items())
 
     def _mark_dynamic(self, args: tuple, kwargs: dict) -> None:
-        if self.dynamic_dims is None:
-            for leaf in tree_leaves((args, kwargs)):
-                if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-                    _compat.mark_dynamic(leaf, 0)
-            return
-        for name, dim in self.dynamic_dims.items():
-            position = self._params.index(name)
-            value = kwargs.get(name, args[position] if position < len(args) else None)
-            if not isinstance(value, torch.Tensor):
-                continue
-            if not -value.dim() <= dim < value.dim():
-                raise ValueError(f"dynamic dim {dim} of argument {name!r} is out of range for its "
-                                 f"shape {tuple(value.shape)}; fix dynamic_dims={{{name!r}: ...}}")
-            _compat.mark_dynamic(value, dim % value.dim())
+        leaves = tree_leaves((args, kwargs))
+        for leaf, dim in zip(leaves, self._leaf_dims(args, kwargs)):
+            if dim is not None:
+                _compat.mark_dynamic(leaf, dim)
 
     def report(self) -> Report:
         """What ran: graphs, passes and their stats, compile times, fallbacks."""

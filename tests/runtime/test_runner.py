@@ -284,3 +284,9 @@ def test_capture_all_needs_inputs_once():
         opt.capture_all()
     with pytest.raises(RuntimeError, match="needs use_cudagraph=True"):
         graphopt.optimize(model, graphopt.GraphOptimizationConfig(use_cudagraph=False)).capture_all()
+
+
+def test_out_of_range_dynamic_dim_is_an_error_with_device_graphs_too():
+    opt = graphopt.optimize(two_batch_dims, runner_config(0), dynamic_dims={"x": 1})
+    with pytest.raises(ValueError, match=r"dynamic dim 1 of argument 'x' is out of range for its shape \(3,\)"):
+        opt(torch.randn(3))

@@ -169,7 +169,8 @@ class GraphRunner:
 
     def _capture(self, entry: _Graph, s_args: tuple, s_kwargs: dict) -> list[Any]:
         start = time.perf_counter()
-        graph = DeviceGraph(_device(entry.static_leaves), self.config.capture_error_mode, self._graph_pool())
+        device = _device(entry.static_leaves)
+        graph = DeviceGraph(device, self.config.capture_error_mode, self._graph_pool(device))
         graph.capture_begin()
         try:
             entry.out_leaves, entry.out_spec = tree_flatten(self.step(*s_args, **s_kwargs))
@@ -247,15 +248,12 @@ class GraphRunner:
             return None
         return _Graph(size, inputs, static, in_spec, out_dims, warmups_left=self.warmups)
 
-    def _graph_pool(self) -> Any:
+    def _graph_pool(self, device: torch.device) -> Any:
         if self.config.graph_pool is None and not self.config.reuse_pool_in_same_graph:
             return None  # each graph its own pool
         if self.pool is None:
-            self.pool = graph_pool_handle(_device(self._any_static()))
+            self.pool = graph_pool_handle(device)
         return self.pool
-
-    def _any_static(self) -> list[Any]:
-        return next(g.static_leaves for g in self.graphs.values() if g is not None)
 
     def _pool_bytes(self) -> int:
         if isinstance(getattr(self.pool, "nbytes", None), int):
