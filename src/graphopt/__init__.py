@@ -8,6 +8,7 @@ from ._compat import register_dynamo_backend
 from .api import DynamicDims, OptimizedModule, optimize, support_graph_optimization
 from .backend import graphopt_backend
 from .config import GraphOptimizationConfig
+from .passes.fusion.replacement import fwd_only, register_replacement
 from .passes.manager import PassResult, PassVerificationError
 from .report import Report
 from .runtime.device_graph import DeviceGraph, graph_pool_handle
@@ -26,8 +27,10 @@ __all__ = [
     "PassVerificationError",
     "Report",
     "check",
+    "fwd_only",
     "graph_pool_handle",
     "graphopt_backend",
     "optimize",
+    "register_replacement",
     "support_graph_optimization",
 ]

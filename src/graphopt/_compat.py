@@ -213,3 +213,111 @@ def output_batch_dims(fn: Callable, leaves: list, spec: Any, dims: list) -> list
                              "slice of its rows cannot undo")
         found.append(follows[0] if follows else None)
     return found
+
+
+# --- Inductor's pattern matcher (graphopt.register_replacement and the fusion library) ---
+
+def pattern_matcher_pass(name: str) -> Any:
+    from torch._inductor.pattern_matcher import PatternMatcherPass
+
+    return PatternMatcherPass(pass_name=name) if _accepts(PatternMatcherPass.__init__, "pass_name") \
+        else PatternMatcherPass()
+
+
+def trace_forward(fn: Callable, args: Sequence[Any], decompositions: dict) -> torch.fx.GraphModule:
+    """`fn` as a functional ATen inference graph with `decompositions` applied, the
+    way AOTAutograd hands graphs over (in-place ops functionalized, no-op views and
+    dead code removed): what the pattern matcher compares graphs against."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch._inductor.fx_passes.post_grad import remove_noop_ops
+    from torch._subclasses.functional_tensor import dispatch_functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.traceback import preserve_node_meta
+
+    # AOTAutograd's functionalization (torch.func.functionalize runs above the
+    # composite decompositions and would leave their in-place ops in the pattern).
+    with enable_python_dispatcher(), preserve_node_meta():
+        gm = make_fx(dispatch_functionalize(fn), decompositions, tracing_mode="real")(*args)
+    remove_noop_ops(gm.graph)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def inductor_decompositions() -> dict:
+    """The decompositions Inductor applies before its post-grad passes run."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+def register_pattern(search_fn: Callable, replace_fn: Callable, example_inputs: Sequence[Any],
+                     trace_fn: Callable, matcher: Any, extra_check: Callable,
+                     scalar_workaround: dict | None, search_fn_pattern: Any) -> list[Any]:
+    """Register one replacement with Inductor's matcher; returns the entries it added
+    (so the caller can wrap their checks, e.g. to count matches)."""
+    from torch._inductor import pattern_matcher
+
+    before = {id(e) for entries in matcher.patterns.values() for e in entries}
+    kwargs: dict[str, Any] = {"extra_check": extra_check, "scalar_workaround": scalar_workaround or {},
+                              "search_fn_pattern": search_fn_pattern}
+    if _accepts(pattern_matcher.register_replacement, "skip_duplicates"):
+        kwargs["skip_duplicates"] = True
+    # Patterns are registered lazily, possibly while a compiler traces with its own
+    # fake mode: trace them outside it, as Inductor registers its own patterns.
+    with torch._guards.tracing(None), outside_fake_mode():
+        pattern_matcher.register_replacement(search_fn, replace_fn, list(example_inputs), trace_fn, matcher,
+                                             **kwargs)
+    return [e for entries in matcher.patterns.values() for e in entries if id(e) not in before]
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return bool(_is_fake(tensor))
+
+
+# Inductor's guess for a size it cannot know (an unbacked symbol): used only for estimates.
+_UNKNOWN_SIZE = 8192
+
+
+def size_hint(value: Any) -> int:
+    """A size as a plain int: a SymInt becomes the value it had when traced (its
+    hint, never guarded on), or 8192 when it has none (a data-dependent size)."""
+    if not isinstance(value, torch.SymInt):
+        return int(value)
+    try:
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+    except ImportError:  # torch < 2.13
+        hint = value.node.hint
+        return int(hint) if hint is not None else _UNKNOWN_SIZE
+    return int(optimization_hint(value, fallback=_UNKNOWN_SIZE))
+
+
+def symbol_hints(values: Sequence[Any]) -> dict[str, int]:
+    """For the symbols the SymInts among `values` are built from: name -> traced value."""
+    hints: dict[str, int] = {}
+    for value in values:
+        if not isinstance(value, torch.SymInt):
+            continue
+        shape_env = value.node.shape_env
+        for symbol in sorted(value.node.expr.free_symbols, key=str):
+            if str(symbol) not in hints:
+                hint = getattr(shape_env, "optimization_hint", None)  # torch >= 2.13
+                hints[str(symbol)] = int(hint(symbol, fallback=_UNKNOWN_SIZE) if hint is not None
+                                         else shape_env.size_hint(symbol))
+    return hints
+
+
+def inplace_overload(op: Any) -> Any:
+    """torch's own choice of the in-place overload of a functional op (the one whose
+    schema matches argument for argument, e.g. pow.Tensor_Scalar -> pow_.Scalar), or
+    None. From torch.fx.passes.reinplace, which may move or change."""
+    try:
+        from torch.fx.passes.reinplace import _maybe_get_inplace_op
+    except ImportError:  # pragma: no cover - callers fall back to their own lookup
+        return None
+    try:
+        return _maybe_get_inplace_op(op)
+    except AssertionError:  # several candidate overloads, or an odd schema: no answer
+        return None

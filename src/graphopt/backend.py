@@ -19,6 +19,7 @@ import torch.fx
 from . import _compat
 from .config import GraphOptimizationConfig
 from .lowering import lower_to_bindings
+from .passes.fusion import fused_op_counts
 from .passes.manager import PassManager, check_pass_names
 from .report import GraphRecord, Report
 
@@ -82,6 +83,7 @@ class GraphoptCompiler:
         """Run the level's passes on the ATen graph `gm`, whose placeholders take
         `inputs` (real tensors; `kinds` says which are parameters and buffers)."""
         record.nodes_before = _count_ops(gm.graph)
+        gm.meta["graphopt_level"] = self.config.graph_opt_level
         matched = _inputs_match(gm, inputs)
         if self.config.freeze_parameters and matched:
             # Constant folding may treat these as constants; mutated buffers it must skip itself.
@@ -101,6 +103,7 @@ class GraphoptCompiler:
                                  "example inputs, so parameters stay live inputs")
         PassManager(self.config, self.report).run(gm, record.index, verify_inputs)
         record.nodes_after = _count_ops(gm.graph)
+        record.fused_ops = fused_op_counts(gm.graph)
         self.graph_modules.append(gm)
 
     def _pass_uuid(self) -> str:

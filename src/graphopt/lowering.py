@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_map
 
 from . import _compat
 from .bindings import exact_binding
+from .kernels import IMPLEMENTATIONS
 
 _BINDING_NAMESPACES = (torch._C._VariableFunctions, torch._C._nn, torch._C.TensorBase)
 
@@ -68,6 +69,8 @@ def _binding_for(node: torch.fx.Node, fake_mode: Any) -> Callable | None:
     op = node.target
     if op in _EQUIVALENT:
         return _EQUIVALENT[op]
+    if op in IMPLEMENTATIONS:  # graphopt's own ops: their implementation, minus the dispatcher
+        return IMPLEMENTATIONS[op]
 
     def value(a: Any) -> Any:
         if isinstance(a, torch.fx.Node):

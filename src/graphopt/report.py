@@ -36,10 +36,12 @@ class GraphRecord:
     nodes_before: int = 0
     nodes_after: int = 0
     compile_seconds: float = 0.0
+    fused_ops: dict[str, int] = field(default_factory=dict)  # fused op -> how many the final graph has
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "nodes_before": self.nodes_before,
-                "nodes_after": self.nodes_after, "compile_seconds": round(self.compile_seconds, 3)}
+                "nodes_after": self.nodes_after, "compile_seconds": round(self.compile_seconds, 3),
+                "fused_ops": dict(self.fused_ops)}
 
 
 @dataclass
@@ -55,6 +57,25 @@ class CaptureRecord:
 
 
 @dataclass
+class MemoryRecord:
+    """The arena plan of one graph's intermediates (`passes/memory_plan.py`), in bytes
+    (64-byte aligned), at the sizes its symbols had when traced (`sizes`, e.g. the batch)."""
+
+    graph: int
+    buffers: int
+    naive_bytes: int           # every intermediate its own buffer
+    planned_bytes: int         # one arena shared by lifetime
+    live_bytes: int            # the most alive at once: no arena can be smaller
+    largest_buffer_bytes: int
+    sizes: dict[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"graph": self.graph, "buffers": self.buffers, "naive_bytes": self.naive_bytes,
+                "planned_bytes": self.planned_bytes, "live_bytes": self.live_bytes,
+                "largest_buffer_bytes": self.largest_buffer_bytes, "sizes": dict(self.sizes)}
+
+
+@dataclass
 class Report:
     level: int
     graphs: list[GraphRecord] = field(default_factory=list)
@@ -65,6 +86,7 @@ class Report:
     pool_bytes: int = 0
     recaptures: int = 0
     replays: int = 0
+    memory: list[MemoryRecord] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def fallback(self, reason: str) -> None:
@@ -90,6 +112,7 @@ class Report:
             "pool_bytes": self.pool_bytes,
             "recaptures": self.recaptures,
             "replays": self.replays,
+            "memory": [m.to_dict() for m in self.memory],
         }
 
     def __str__(self) -> str:
@@ -98,10 +121,16 @@ class Report:
         for g in self.graphs:
             lines.append(f"  graph {g.index}: {g.nodes_before} -> {g.nodes_after} nodes, "
                          f"compiled in {g.compile_seconds:.2f}s")
+            if g.fused_ops:
+                lines.append("    fused ops: " + ", ".join(f"{k}={v}" for k, v in g.fused_ops.items()))
             for p in (p for p in self.passes if p.graph == g.index):
                 counts = ", ".join(f"{k}={v}" for k, v in p.counts.items()) or "-"
                 mark = "changed" if p.changed else "no change"
                 lines.append(f"    {p.name:<28} {mark:<10} {counts}")
+            lines.extend(f"    memory at {', '.join(f'{k}={v}' for k, v in m.sizes.items()) or 'static sizes'}: "
+                         f"{m.buffers} buffers, naive {m.naive_bytes / 1024:.1f} KiB, planned "
+                         f"{m.planned_bytes / 1024:.1f} KiB, largest {m.largest_buffer_bytes / 1024:.1f} KiB"
+                         for m in self.memory if m.graph == g.index)
         if self.captures:
             sizes = ", ".join(str(c.size) for c in self.captures)
             lines.append(f"  device graphs: {len(self.captures)} captured (sizes {sizes}), pool "

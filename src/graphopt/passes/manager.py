@@ -45,9 +45,10 @@ class PassVerificationError(RuntimeError):
 def builtin_passes() -> dict[str, PassFn]:
     """Every pass graphopt ships, by name (the names `disabled_passes` takes)."""
     from . import algebraic, cleanup, constant_fold, redundant, reinplace
-    from .fusion import linear
+    from .fusion import fusion_passes, linear
 
     return {
+        **fusion_passes(),
         "dce": cleanup.dce,
         "cse": cleanup.cse,
         "remove_noops": redundant.remove_noops,
@@ -68,10 +69,16 @@ CLEANUP_ROUNDS = 4
 # Mutation-introducing passes go last: the passes before them see a functional graph.
 # At level 2 Inductor re-inplaces input mutations itself and expects a functional graph,
 # and it lowers a decomposed linear better than an `aten.linear` call.
+def _fusions() -> list[str]:
+    from .fusion import fusion_passes
+
+    return list(fusion_passes())
+
+
 PIPELINES: dict[int, list[str]] = {
     0: [],
-    1: [*CLEANUP, "recompose_linear", "recompose_matmul", "reinplace_input_mutations"],
-    2: [*CLEANUP],
+    1: [*CLEANUP, *_fusions(), "recompose_linear", "recompose_matmul", "reinplace_input_mutations"],
+    2: [*CLEANUP, *_fusions()],
 }
 
 

@@ -1,1 +1,49 @@
-"""Fusion passes: several ops replaced by one that does the same work in one call."""
+"""Fusion passes: several ops replaced by one that does the same work in one call.
+
+`fusion_passes()` lists the library's fusion passes in the order they run (larger
+patterns before the smaller ones they contain); `fused_op_counts` is the fused-op
+table of `report()`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable
+
+import torch
+import torch.fx
+
+aten = torch.ops.aten
+
+# Ops a fusion produces, by the name the report shows (graphopt's own ops are
+# added by namespace). Recomposed linear/matmul are not fusions: eager had them.
+FUSED_ATEN_OPS: dict[object, str] = {
+    aten.native_layer_norm.default: "layer_norm",
+    aten._prelu_kernel.default: "prelu",
+    aten.gelu.default: "gelu",
+    aten._scaled_dot_product_flash_attention_for_cpu.default: "scaled_dot_product_attention",
+    aten._scaled_dot_product_flash_attention.default: "scaled_dot_product_attention",
+    aten._scaled_dot_product_efficient_attention.default: "scaled_dot_product_attention",
+    aten._scaled_dot_product_cudnn_attention.default: "scaled_dot_product_attention",
+}
+
+
+def fusion_passes() -> dict[str, Callable]:
+    """The library's fusion passes by name, in pipeline order."""
+    from .replacement import USER_PATTERNS
+
+    return {"user_replacements": USER_PATTERNS}
+
+
+def fused_op_counts(graph: torch.fx.Graph) -> dict[str, int]:
+    """How many of each fused op `graph` contains, like ONNX Runtime's fused-operator
+    statistics."""
+    counts: Counter = Counter()
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in FUSED_ATEN_OPS:
+            counts[FUSED_ATEN_OPS[node.target]] += 1
+        elif isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "graphopt":
+            counts[node.target._schema.name.split("::")[1]] += 1
+    return dict(sorted(counts.items()))

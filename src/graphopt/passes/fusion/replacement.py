@@ -1,0 +1,203 @@
+"""Pattern replacement: `graphopt.register_replacement` and the sets of patterns the
+fusion library is made of, on top of Inductor's pattern matcher.
+
+A pattern is a function (`search_fn`) traced into an ATen graph; every place the
+optimized graph computes the same thing is replaced by `replace_fn` traced with the
+matched values. Each pattern is traced twice, once the way graphopt's level-1 graphs
+are decomposed (AOTAutograd's defaults) and once the way Inductor's post-grad graphs
+are (level 2), so one registration matches at both levels.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+from torch.utils._pytree import tree_flatten
+
+from ... import _compat
+from ...config import tolerance
+from ..manager import PassResult
+
+
+def fwd_only(fn: Callable, args: Sequence[Any], **_: Any) -> torch.fx.GraphModule:
+    """Trace `fn(*args)` into the functional ATen graph graphopt's level-1 passes see
+    (composite ops decomposed as AOTAutograd decomposes them, nothing more)."""
+    return _compat.trace_forward(fn, args, {})
+
+
+def _inductor_trace(fn: Callable, args: Sequence[Any], **_: Any) -> torch.fx.GraphModule:
+    return _compat.trace_forward(fn, args, _compat.inductor_decompositions())
+
+
+def _always(match: Any) -> bool:
+    return True
+
+
+@dataclass
+class Pattern:
+    """One replacement: where it applies and how often it fired."""
+
+    name: str
+    search_fn: Callable
+    replace_fn: Callable
+    example_inputs: Sequence[Any]
+    trace_fn: Callable = fwd_only
+    extra_check: Callable[[Any], bool] = _always
+    scalar_workaround: dict[str, Any] | None = None
+    search_fn_pattern: Any = None
+    levels: tuple[int, ...] = (1, 2)
+
+
+@dataclass
+class PatternSet:
+    """Patterns applied together as one pass. Registration with the matcher is lazy
+    (tracing costs ~50 ms a pattern) and redone when the set changes."""
+
+    name: str
+    patterns: list[Pattern] = field(default_factory=list)
+    _matchers: dict[int, tuple[Any, Counter]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, pattern: Pattern) -> Pattern:
+        with self._lock:
+            self.patterns.append(pattern)
+            self._matchers.clear()
+        return pattern
+
+    def remove(self, pattern: Pattern) -> None:
+        with self._lock:
+            self.patterns.remove(pattern)
+            self._matchers.clear()
+
+    def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
+        """Replace every match of the set's patterns for the graph's level
+        (`gm.meta["graphopt_level"]`, 1 when unset); counts are per pattern."""
+        matcher, counts = self._matcher(gm.meta.get("graphopt_level", 1))
+        counts.clear()
+        matched = matcher.apply(gm) if matcher.patterns else 0
+        if matched:
+            gm.graph.eliminate_dead_code()
+        return PassResult(changed=matched > 0, counts={k: v for k, v in counts.items() if v})
+
+    def _matcher(self, level: int) -> tuple[Any, Counter]:
+        with self._lock:
+            if level not in self._matchers:
+                matcher, counts = _compat.pattern_matcher_pass(self.name), Counter()
+                for pattern in self.patterns:
+                    if level in pattern.levels:
+                        _register(pattern, matcher, counts)
+                self._matchers[level] = (matcher, counts)
+            return self._matchers[level]
+
+
+def _register(pattern: Pattern, matcher: Any, counts: Counter) -> None:
+    traces = [pattern.trace_fn] if pattern.trace_fn is not fwd_only else [fwd_only, _inductor_trace]
+    for trace in traces:
+        entries = _compat.register_pattern(
+            pattern.search_fn, pattern.replace_fn, pattern.example_inputs, trace, matcher,
+            pattern.extra_check, pattern.scalar_workaround, pattern.search_fn_pattern)
+        for entry in entries:
+            entry.extra_check = _counting(entry.extra_check, pattern.name, counts)
+
+
+def _counting(check: Callable[[Any], bool], name: str, counts: Counter) -> Callable[[Any], bool]:
+    def counted(match: Any) -> bool:
+        accepted = bool(check(match))
+        counts[name] += accepted
+        return accepted
+
+    return counted
+
+
+USER_PATTERNS = PatternSet("user_replacements")
+
+
+def register_replacement(search_fn: Callable, replace_fn: Callable, example_inputs: Sequence[Any],
+                         trace_fn: Callable = fwd_only, extra_check: Callable[[Any], bool] = _always,
+                         search_fn_pattern: Any = None) -> Pattern:
+    """Replace every computation that matches `search_fn` by `replace_fn`, in every
+    graph optimized from now on (levels 1 and 2; pass `user_replacements`).
+
+    `example_inputs` are tensors (or scalars) to trace both functions with; a match
+    binds `search_fn`'s arguments to graph values of any shape and dtype the traced
+    pattern allows. `extra_check(match)` can veto a match: `match.kwargs` maps
+    `search_fn`'s argument names to graph nodes (`node.meta["val"]` is a fake tensor
+    with the shape and dtype). `search_fn_pattern` replaces the traced pattern.
+    Returns the registration; `.remove()` it to stop. Its match count is reported as
+    `user_replacements` in `report()`, under the `search_fn`'s name.
+    """
+    name = getattr(search_fn, "__name__", "pattern")
+    _check_replacement(name, search_fn, replace_fn, example_inputs, trace_fn)
+    pattern = USER_PATTERNS.add(Pattern(name, search_fn, replace_fn, list(example_inputs), trace_fn,
+                                        extra_check, None, search_fn_pattern))
+    pattern.remove = lambda: USER_PATTERNS.remove(pattern)  # type: ignore[attr-defined]
+    return pattern
+
+
+def _check_replacement(name: str, search_fn: Callable, replace_fn: Callable,
+                       example_inputs: Sequence[Any], trace_fn: Callable) -> None:
+    """Registration-time errors: untraceable functions, mismatched signatures, or a
+    `replace_fn` that computes something else than `search_fn` on the examples."""
+    if not isinstance(example_inputs, (list, tuple)):
+        raise TypeError(f"register_replacement({name}): example_inputs must be a list or tuple of "
+                        f"tensors, got {type(example_inputs).__name__}")
+    arity = len(inspect.signature(search_fn).parameters)
+    if arity != len(example_inputs):
+        raise ValueError(f"register_replacement({name}): search_fn takes {arity} argument(s) but "
+                         f"{len(example_inputs)} example input(s) were given; give one per argument")
+    # Values are compared on fresh random floats: examples are often `torch.empty`.
+    generator = torch.Generator().manual_seed(0)
+    probe = [_random_like(x, generator) for x in example_inputs]
+    outputs = []
+    for role, fn in (("search_fn", search_fn), ("replace_fn", replace_fn)):
+        try:
+            trace_fn(fn, list(example_inputs))
+            with torch.no_grad():
+                outputs.append(fn(*[_copy(x) for x in probe]))
+        except Exception as error:  # noqa: BLE001 - any tracing failure is the user's to fix
+            raise ValueError(f"register_replacement({name}): {role} cannot be traced with the example "
+                             f"inputs: {type(error).__name__}: {error}. Patterns must be functional "
+                             "torch code with no data-dependent Python control flow.") from error
+    _check_same_outputs(name, *outputs)
+
+
+def _copy(x: Any) -> Any:
+    return x.clone() if isinstance(x, torch.Tensor) else x
+
+
+def _random_like(x: Any, generator: torch.Generator) -> Any:
+    """A real tensor like `x` (which may be fake) with random values when floating."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    with _compat.outside_fake_mode():
+        if x.dtype.is_floating_point:
+            return torch.randn(tuple(x.shape), generator=generator).to(dtype=x.dtype, device=x.device)
+        if _compat.is_fake(x):
+            return torch.zeros(tuple(x.shape), dtype=x.dtype, device=x.device)
+    return x
+
+
+def _check_same_outputs(name: str, searched: Any, replaced: Any) -> None:
+    (found, found_spec), (made, made_spec) = tree_flatten(searched), tree_flatten(replaced)
+    if found_spec != made_spec:
+        raise ValueError(f"register_replacement({name}): replace_fn returns {made_spec} but search_fn "
+                         f"returns {found_spec}; they must return the same structure")
+    for i, (a, b) in enumerate(zip(found, made)):
+        if not isinstance(a, torch.Tensor):
+            continue
+        if not isinstance(b, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+            got = f"{tuple(b.shape)}/{b.dtype}" if isinstance(b, torch.Tensor) else type(b).__name__
+            raise ValueError(f"register_replacement({name}): output {i} of replace_fn is {got}, "
+                             f"search_fn's is {tuple(a.shape)}/{a.dtype}")
+        atol, rtol = tolerance(a.dtype)
+        if not torch.allclose(a, b, atol=atol, rtol=rtol, equal_nan=True):
+            diff = (a.double() - b.double()).abs().max().item()
+            raise ValueError(f"register_replacement({name}): output {i} of replace_fn differs from "
+                             f"search_fn's on the example inputs (max abs difference {diff:.3g}, "
+                             f"atol={atol}); a replacement must compute the same values")
