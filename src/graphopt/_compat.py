@@ -204,6 +204,13 @@ def output_batch_dims(fn: Callable, leaves: list, spec: Any, dims: list) -> list
     args, kwargs = tree_unflatten(fakes, spec)
     with mode:
         outputs = tree_leaves(fn(*args, **kwargs))
+    symbols = {sym for expr in batch for sym in expr.free_symbols}
+    pinned = [sym for sym in symbols if mode.shape_env.replacements.get(sym, sym).is_number]
+    if pinned:
+        # An op fixed the batch size to the example's (e.g. interpolate's output size):
+        # outputs would carry no batch dim to slice.
+        raise ValueError("the model specializes on the batch size, so the outputs' batch dims "
+                         "cannot be told apart from fixed sizes")
     found = []
     for out in outputs:
         follows = [d for d, s in enumerate(getattr(out, "shape", ())) if isinstance(s, torch.SymInt)

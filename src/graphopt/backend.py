@@ -21,6 +21,7 @@ from .config import GraphOptimizationConfig
 from .lowering import lower_to_bindings
 from .passes.fusion import fused_op_counts
 from .passes.manager import PassManager, check_pass_names
+from .passes.memory_plan import memory_record
 from .report import GraphRecord, Report
 
 
@@ -103,6 +104,9 @@ class GraphoptCompiler:
                                  "example inputs, so parameters stay live inputs")
         PassManager(self.config, self.report).run(gm, record.index, verify_inputs)
         record.nodes_after = _count_ops(gm.graph)
+        memory = memory_record(gm, record.index)  # set by the plan_memory pass
+        if memory is not None:
+            self.report.memory.append(memory)
         record.fused_ops = fused_op_counts(gm.graph)
         self.graph_modules.append(gm)
 

@@ -4,7 +4,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import graphopt
-from graphopt.passes.constant_fold import (FOLDED_RECIPES, FROZEN_INPUTS, fold_constants,
+from graphopt.passes.constant_fold import (FOLDED_RECIPES, FROZEN_INPUTS, fold_constants, fold_node,
                                            refresh_folded_constants)
 from support import targets
 
@@ -188,3 +188,47 @@ def test_unfrozen_model_sees_load_state_dict_without_refresh():
         assert not folded_attributes(opt.graphs()[0])
         model.load_state_dict({"weight": torch.randn(6, 4), "scale": torch.tensor(2.0)})
         torch.testing.assert_close(opt(x), model(x))
+
+
+# ---- data node conversion: casts and layout conversions of constants ----
+
+def test_a_widening_cast_of_a_frozen_weight_becomes_a_buffer_of_the_cast_value():
+    def fn(x, w):
+        return x @ w.to(torch.float32).t()
+
+    x, w = torch.randn(3, 4), torch.randn(5, 4).half()
+    gm = frozen_graph(fn, x, w, frozen=(1,))
+    assert fold(gm, x, w).counts == {"folded": 1}
+    assert aten._to_copy.default not in targets(gm)
+    assert getattr(gm, "_folded_0").dtype == torch.float32
+    w.copy_(torch.randn(5, 4))  # the recipe recomputes the cast from the new weight
+    assert refresh_folded_constants(gm) == 1
+    torch.testing.assert_close(gm(x, w), fn(x, w), atol=0, rtol=0)
+
+
+def test_a_cast_of_a_tensor_attribute_is_folded():
+    table = torch.linspace(0, 1, 8, dtype=torch.float64)
+    gm = make_fx(lambda x: x * table.to(torch.float32))(torch.randn(2, 8))
+    assert aten._to_copy.default in targets(gm)
+    assert fold(gm, torch.randn(2, 8)).counts == {"folded": 1}
+    assert targets(gm) == [aten.mul.Tensor]
+    assert getattr(gm, "_folded_0").dtype == torch.float32
+    assert gm.meta[FOLDED_RECIPES] == {}  # a tensor attribute never changes: no recipe
+
+
+def test_fold_node_converts_a_frozen_weight_once_and_leaves_live_inputs():
+    def fn(x, w):
+        nhwc = torch.channels_last
+        return torch.conv2d(x.contiguous(memory_format=nhwc), w.contiguous(memory_format=nhwc))
+
+    x, w = torch.randn(2, 3, 4, 4), torch.randn(5, 3, 3, 3)
+    gm = frozen_graph(fn, x, w, frozen=(1,))
+    input_clone, weight_clone = [n for n in gm.graph.nodes if n.target is aten.clone.default]
+    attr = fold_node(gm, weight_clone)
+    gm.recompile()
+    assert attr.op == "get_attr"
+    assert getattr(gm, attr.target).is_contiguous(memory_format=torch.channels_last)
+    assert list(gm.meta[FOLDED_RECIPES]) == [attr.target]
+    assert fold_node(gm, input_clone) is None
+    assert targets(gm) == [aten.clone.default, aten.convolution.default]
+    torch.testing.assert_close(gm(x, w), fn(x, w), atol=0, rtol=0)

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 import graphopt
 from graphopt.config import tolerance
+from test_memory_plan import check_plan
 
 BATCHES = (3, 5)
 WIDTHS = (2, 4, 6, 8)
@@ -260,6 +261,8 @@ def check_program(program: Program) -> None:
                 torch.testing.assert_close(a, e, atol=atol, rtol=rtol, equal_nan=True,
                                            msg=lambda m: f"output {i} at batch {batch}: {m}")
     assert optimized.report().graphs, "nothing was compiled"
+    for gm in optimized.graphs():  # buffers alive at once never share arena bytes
+        check_plan(gm, gm.meta["graphopt_memory"])
 
 
 FUZZ = settings(deadline=None, database=None, derandomize=True,

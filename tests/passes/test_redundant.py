@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import graphopt
 from graphopt.passes.redundant import remove_noops, remove_redundant
 from support import aot_graph, targets
 
@@ -265,3 +266,34 @@ def test_a_piece_returned_as_the_input_itself_stays():
     graph = aot_graph(fn, torch.randn(3, 4), torch.randn(2, 4))
     remove_redundant(graph.gm)
     assert aten.cat.default in targets(graph)
+
+
+# ---- data node conversion: a cast and its inverse ----
+
+@pytest.mark.parametrize("dtype, via", [(torch.float16, torch.float32), (torch.bfloat16, torch.float32),
+                                        (torch.int32, torch.int64), (torch.float16, torch.float64)])
+def test_a_cast_and_its_exact_inverse_are_removed(dtype, via):
+    x = (torch.randn(6) * 100).to(dtype)
+    gm = traced(lambda x: x.to(via).to(dtype) * 2, x)
+    assert apply(remove_redundant, gm, x).counts == {"casts": 1}
+    assert targets(gm) == [aten.mul.Tensor]
+
+
+def test_an_inexact_round_trip_stays_through_the_pipeline():
+    def fn(x):
+        return x.to(torch.float16).to(torch.float32) * 2
+
+    x = torch.tensor([1e-8, 7e4, 3.14159, 1 / 3])
+    opt = graphopt.optimize(fn, graphopt.GraphOptimizationConfig(graph_opt_level=1, use_cudagraph=False))
+    torch.testing.assert_close(opt(x), fn(x), atol=0, rtol=0)
+    assert not torch.equal(opt(x), x * 2)  # float32 -> float16 -> float32 is not exact
+    (gm,) = opt.graphs()
+    assert targets(gm).count(aten._to_copy.default) == 2
+
+
+def test_a_returned_round_trip_of_an_input_becomes_one_copy():
+    x = torch.randn(4).half()
+    gm = traced(lambda x: x.float().half(), x)
+    assert apply(remove_redundant, gm, x).counts == {"casts": 1}
+    # x itself would make the output alias the input: one same-dtype cast (a copy) stays
+    assert targets(gm) == [aten._to_copy.default]

@@ -176,7 +176,8 @@ def test_level1_module_step_replays_the_compiled_graph(decoder):
             positions.add_(1)
             graph.replay()
             torch.testing.assert_close(logits, reference(ids, positions, slots), atol=1e-4, rtol=1e-4)
-    assert graph.copy_replays == 0
+    # Only the two fused attention calls: the CPU flash-attention op has no out= overload.
+    assert graph.copy_replays == decoder.config.num_layers
 
 
 def decoder_step_graph(decoder, batch: int, pool: HostPool | None) -> HostGraph:

@@ -252,6 +252,19 @@ def test_outputs_that_cannot_be_sliced_fall_back():
     assert any("a slice of its rows cannot undo" in reason for reason in opt.report().fallbacks)
 
 
+def upsampled_sums(x):
+    # interpolate's fake trace pins the batch size to the example's: the output's
+    # batch dim then looks like a fixed size and would come back padded.
+    return torch.nn.functional.interpolate(x, scale_factor=2).sum(dim=(1, 2, 3))
+
+
+def test_a_model_that_specializes_on_the_batch_size_falls_back():
+    opt = graphopt.optimize(upsampled_sums, runner_config(0, cudagraph_capture_sizes=[2, 4]))
+    x = torch.randn(3, 2, 4, 4)
+    torch.testing.assert_close(opt(x), upsampled_sums(x))
+    assert any("specializes on the batch size" in reason for reason in opt.report().fallbacks)
+
+
 def test_level_2_on_cpu_pads_to_static_shapes():
     eager, model = twin_decoders()
     opt = optimized(model, 2, cudagraph_capture_sizes=[4, 8])

@@ -1,6 +1,7 @@
-"""Reference models: a Llama-style decoder with a slot KV cache, and greedy generation."""
+"""Reference models: a Llama-style decoder with a slot KV cache, greedy generation, and a small ResNet."""
 
 from .decoder import Decoder, DecoderConfig
 from .generate import generate
+from .resnet import ResNet, ResNetConfig
 
-__all__ = ["Decoder", "DecoderConfig", "generate"]
+__all__ = ["Decoder", "DecoderConfig", "ResNet", "ResNetConfig", "generate"]

@@ -61,25 +61,47 @@ def fold_constants(gm: torch.fx.GraphModule) -> PassResult:
     folds = [n for n in gm.graph.nodes if n in needed and n.op == "call_function" and not is_view(n)]
     folds = [n for n in folds if not (_from_frozen(sources[n], recipes) and _numel(n) <= 1)]
     values = _evaluate(gm, folds, frozen)
-    names = (f"_folded_{i}" for i in itertools.count() if not hasattr(gm, f"_folded_{i}"))
-    folded = 0
-    for node in folds:
-        value = values.get(node)
-        if not isinstance(value, torch.Tensor):
-            continue
-        name = next(names)
-        gm.register_buffer(name, value, persistent=False)
-        if _from_frozen(sources[node], recipes):
-            recipes[name] = _recipe(gm, node)
-        with gm.graph.inserting_before(node):
-            attr = gm.graph.get_attr(name)
-        attr.meta = dict(node.meta)
-        node.replace_all_uses_with(attr)
-        folded += 1
-    for node in reversed(gm.graph.nodes):  # what only the folded values read
+    folded = sum(_into_buffer(gm, node, values.get(node), sources, recipes) is not None for node in folds)
+    _erase_unread(gm, sources)
+    return PassResult(changed=folded > 0, counts={"folded": folded} if folded else {})
+
+
+def fold_node(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node | None:
+    """Fold one node as fold_constants would (a buffer, a refresh recipe when it
+    reads frozen parameters), for passes that create a node of constants, such as a
+    layout conversion of a weight. Returns the get_attr now read instead, or None
+    when `node` does not read only constants or is over the memory bound."""
+    frozen = gm.meta.get(FROZEN_INPUTS, {})
+    recipes = gm.meta.setdefault(FOLDED_RECIPES, {})
+    sources = _constants(gm, frozen)
+    if node not in sources or node.op != "call_function":
+        return None
+    attr = _into_buffer(gm, node, _evaluate(gm, [node], frozen).get(node), sources, recipes)
+    _erase_unread(gm, sources)
+    return attr
+
+
+def _into_buffer(gm: torch.fx.GraphModule, node: torch.fx.Node, value: object, sources: dict,
+                 recipes: dict) -> torch.fx.Node | None:
+    """Store `value` as a new `_folded_<i>` buffer and make `node`'s readers read it."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    name = next(f"_folded_{i}" for i in itertools.count() if not hasattr(gm, f"_folded_{i}"))
+    gm.register_buffer(name, value, persistent=False)
+    if _from_frozen(sources[node], recipes):
+        recipes[name] = _recipe(gm, node)
+    with gm.graph.inserting_before(node):
+        attr = gm.graph.get_attr(name)
+    attr.meta = dict(node.meta)
+    node.replace_all_uses_with(attr)
+    return attr
+
+
+def _erase_unread(gm: torch.fx.GraphModule, sources: dict) -> None:
+    """Erase the constant ops nothing reads any more (what only the folded values read)."""
+    for node in reversed(gm.graph.nodes):
         if node in sources and node.op == "call_function" and not node.users:
             gm.graph.erase_node(node)
-    return PassResult(changed=folded > 0, counts={"folded": folded} if folded else {})
 
 
 def refresh_folded_constants(gm: torch.fx.GraphModule) -> int:

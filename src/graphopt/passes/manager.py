@@ -44,7 +44,7 @@ class PassVerificationError(RuntimeError):
 
 def builtin_passes() -> dict[str, PassFn]:
     """Every pass graphopt ships, by name (the names `disabled_passes` takes)."""
-    from . import algebraic, cleanup, constant_fold, redundant, reinplace
+    from . import algebraic, cleanup, constant_fold, layout, memory_plan, redundant, reinplace
     from .fusion import fusion_passes, linear
 
     return {
@@ -57,7 +57,10 @@ def builtin_passes() -> dict[str, PassFn]:
         "fold_constants": constant_fold.fold_constants,
         "recompose_linear": linear.recompose_linear,
         "recompose_matmul": linear.recompose_matmul,
+        "convert_layout": layout.convert_layout,
         "reinplace_input_mutations": reinplace.reinplace_input_mutations,
+        "reinplace_intermediates": reinplace.reinplace_intermediates,
+        "plan_memory": memory_plan.plan_memory,
     }
 
 
@@ -69,6 +72,9 @@ CLEANUP_ROUNDS = 4
 # Mutation-introducing passes go last: the passes before them see a functional graph.
 # At level 2 Inductor re-inplaces input mutations itself and expects a functional graph,
 # and it lowers a decomposed linear better than an `aten.linear` call.
+# convert_layout is level 1 only: Inductor chooses channels-last for convolution graphs
+# itself (GraphLowering.decide_layout_opt, always on CPU with oneDNN), and would have to
+# honour graphopt's explicit clones as copies.
 def _fusions() -> list[str]:
     from .fusion import fusion_passes
 
@@ -77,7 +83,8 @@ def _fusions() -> list[str]:
 
 PIPELINES: dict[int, list[str]] = {
     0: [],
-    1: [*CLEANUP, *_fusions(), "recompose_linear", "recompose_matmul", "reinplace_input_mutations"],
+    1: [*CLEANUP, *_fusions(), "recompose_linear", "recompose_matmul", "convert_layout",
+        "reinplace_input_mutations", "reinplace_intermediates", "plan_memory"],
     2: [*CLEANUP, *_fusions()],
 }
 

@@ -157,7 +157,8 @@ def remove_redundant(gm: torch.fx.GraphModule) -> PassResult:
       recompositions match);
     - `x.to(a).to(b)` becomes `x.to(b)` when `a` holds every value of x's dtype
       exactly (and is not a float step before an integer cast: out-of-range float
-      to int conversion is undefined); `neg(neg(x))` becomes `x`;
+      to int conversion is undefined), and `x` itself when `b` is x's dtype
+      (f16 -> f32 -> f16; f32 -> f16 -> f32 stays); `neg(neg(x))` becomes `x`;
     - `split(cat([a, b, c]))` into the same pieces gives back `a`, `b`, `c`.
     Chains collapse only when the inner op has no other reader, so each rewrite
     removes a node.
@@ -224,6 +225,8 @@ def _casts(facts: GraphFacts, node: torch.fx.Node) -> bool:
         and b.dtype is not torch.bool and x.dtype is not torch.bool
     if not exact or float_to_int:
         return False
+    if b.dtype == x.dtype and facts.substitute(node, source):
+        return True  # a cast and its exact inverse: f16 -> f32 -> f16 is the f16 tensor
     return facts.replace_with(node, node.target, (source, *node.args[1:]), node.kwargs)
 
 

@@ -4,15 +4,24 @@ AOTAutograd's functional graphs express a write into an input (a KV-cache update
 `cache[slots, pos] = k`) as an out-of-place op producing a whole new cache, and a
 `copy_` of that new cache back into the input at the end of the graph: two full
 copies of the buffer per write. The in-place form writes only the new rows.
+
+The same graphs compute every intermediate into a new buffer; where the input of an
+elementwise op dies at that op, writing the result over it saves the allocation and
+shortens what the memory plan has to hold (`reinplace_intermediates`).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.fx
 
-from .._compat import same_shape
+from .. import _compat
+from .._compat import known_true, same_shape, same_sizes
+from .cleanup import has_effect, is_contiguous
 from .manager import PassResult
+from .memory_plan import Storage, storages
 
 aten = torch.ops.aten
 
@@ -24,18 +33,20 @@ _SCATTER_OF_VIEW = {
 }
 
 
+@functools.cache
 def inplace_variant(target: object) -> torch._ops.OpOverload | None:
     """aten.add.Tensor -> aten.add_.Tensor, when torch has that overload and it
-    mutates its first argument."""
+    mutates its first argument; else torch's own schema-matched choice
+    (aten.pow.Tensor_Scalar -> aten.pow_.Scalar)."""
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
         return None
     packet = getattr(aten, target._schema.name.split("::")[1] + "_", None)
     overload = getattr(packet, target._overloadname, None) if packet is not None else None
     if overload is None:
-        return None
+        return _compat.inplace_overload(target)
     args = overload._schema.arguments
     if not args or args[0].alias_info is None or not args[0].alias_info.is_write:
-        return None
+        return _compat.inplace_overload(target)
     return overload
 
 
@@ -168,3 +179,124 @@ def _view_write_chain(base: torch.fx.Node, scatter: torch.fx.Node,
             return chain
         node = first
     return None
+
+
+# Functional forms of ops that change a tensor's metadata, not its values: never in place.
+_METADATA_OPS = frozenset({"set", "resize", "resize_as"})
+
+
+def reinplace_intermediates(gm: torch.fx.GraphModule) -> PassResult:
+    """Write an op's result into its first input when that input is an intermediate
+    no later op reads, through any view.
+
+        before:  mul = aten.mul(x, 2);  relu = aten.relu(mul);  add = aten.add(relu, y)
+        after:   mul = aten.mul(x, 2);  relu_ = aten.relu_(mul);  add_ = aten.add_(relu_, y)
+
+    The written input must be memory the graph allocated: never a graph input, a
+    parameter or buffer, nor a `get_attr` constant (folded constants are shared by
+    every call), nor anything made by a higher-order op. The result must keep the
+    input's dtype, sizes and strides (no type promotion, no growth by broadcasting,
+    and the same layout for every later view), the input must cover its whole buffer
+    (the buffer itself, or a contiguous view of all of it), no other argument of the
+    op may share its memory, and the op must not be random or have side effects.
+    Since an output is read by the output node, after every op, memory an output
+    uses is never written.
+
+    torch.fx.passes.reinplace is used for what it gets right: which in-place overload
+    matches a functional op's schema (through `inplace_variant`). Its `reinplace()`
+    itself is not used, because on these graphs it is unsound or cannot run: it fails
+    on graphs with tensor constants (it re-runs the graph on fresh fake inputs, and
+    `get_attr` values are real), and if it ran it would write into them; it compares
+    numel, not strides, so a later `view` could see another layout; it rewrites
+    `add(a, a.t())` into `a.add_(a.t())`, which raises on overlapping memory; it
+    rewrites random ops (`bernoulli` into `bernoulli_`); and it re-derives aliasing
+    from fake-tensor storages, which the passes before it do not keep up to date.
+    Here aliasing comes from op schemas over the graph (`memory_plan.storages`).
+    """
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    where = storages(graph)
+    merged: dict[Storage, Storage] = {}  # a rewritten op's own buffer -> the buffer it writes instead
+
+    def find(storage: Storage) -> Storage:
+        while storage in merged:
+            storage = merged[storage]
+        return storage
+
+    last_read: dict[Storage, int] = {}
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            for storage in where.get(arg, ()):
+                last_read[storage] = order[node]
+    rewritten = 0
+    for node in nodes:
+        variant = _inplace_candidate(node)
+        if variant is None:
+            continue
+        if not where.get(node.args[0]):
+            continue
+        written = find(where[node.args[0]][0])
+        if not _can_write(node, written, find, where, last_read, order):
+            continue
+        with graph.inserting_before(node):
+            write = graph.call_function(variant, node.args, dict(node.kwargs))
+        write.meta = dict(node.meta)
+        node.replace_all_uses_with(write)
+        graph.erase_node(node)
+        order[write], where[write] = order[node], [written]
+        merged[(node, 0)] = written
+        last_read[written] = max(last_read[written], last_read.get((node, 0), order[write]))
+        rewritten += 1
+    return PassResult(changed=rewritten > 0, counts={"inplace": rewritten} if rewritten else {})
+
+
+def _inplace_candidate(node: torch.fx.Node) -> torch._ops.OpOverload | None:
+    """The in-place overload `node` could become, judging by the op alone."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or has_effect(node):
+        return None
+    schema = target._schema
+    if schema.is_mutable or len(schema.returns) != 1 or schema.returns[0].alias_info is not None \
+            or target is aten._unsafe_view.default or target.overloadpacket.__name__ in _METADATA_OPS:
+        return None
+    if not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    variant = inplace_variant(target)
+    if variant is None or not set(node.kwargs) <= {a.name for a in variant._schema.arguments}:
+        return None
+    return variant
+
+
+def _can_write(node: torch.fx.Node, written: Storage, find, where: dict, last_read: dict[Storage, int],
+               order: dict[torch.fx.Node, int]) -> bool:
+    source, index = written
+    if source.op != "call_function" or not isinstance(source.target, torch._ops.OpOverload):
+        return False  # an input, a parameter, a constant, or memory a higher-order op made
+    if last_read.get(written, -1) > order[node]:
+        return False  # read later, directly or through a view
+    first = node.args[0]
+    uses: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((node.args, node.kwargs), uses.append)
+    if uses.count(first) > 1:
+        return False  # `mm(a, a)`-like ops read what they would write
+    for arg in node.all_input_nodes:
+        if arg is not first and any(find(s) == written for s in where.get(arg, ())):
+            return False
+    old, new = first.meta.get("val"), node.meta.get("val")
+    base = source.meta.get("val")
+    base = base[index] if isinstance(base, (list, tuple)) else base
+    if not all(isinstance(v, torch.Tensor) and v.layout == torch.strided for v in (old, new, base)):
+        return False
+    return (old.dtype == new.dtype and old.device == new.device
+            and same_shape(old, new) and same_sizes(old.stride(), new.stride()) and _covers(old, base))
+
+
+def _covers(view: torch.Tensor, base: torch.Tensor) -> bool:
+    """`view` is its whole buffer: laid out as the new tensor `base`, or contiguous
+    over exactly its elements (a new tensor is dense)."""
+    if known_true(view.storage_offset() == base.storage_offset()) and same_shape(view, base) \
+            and same_sizes(view.stride(), base.stride()):
+        return True
+    return known_true(view.storage_offset() == 0) and known_true(view.numel() == base.numel()) \
+        and is_contiguous(view)

@@ -21,7 +21,8 @@ outputs; never tensors that existed before, such as static inputs, parameters or
 KV cache) moves into its `HostPool`'s arena with `Tensor.set_`, a base and its views
 together, so the tape and the caller's references see the new memory. Offsets are
 planned by lifetime (from the op that creates an allocation to the last op that
-touches it; `outputs` live to the end), largest first, 64-byte aligned. Graphs of
+touches it; `outputs` live to the end) with the planner the passes use
+(`graphopt.passes.memory_plan.plan_offsets`: greedy by size), 64-byte aligned. Graphs of
 one pool share one arena sized to the largest need, so replaying one overwrites the
 others' outputs, as in a CUDA graph pool. Outputs keep their captured values.
 
@@ -51,6 +52,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from .. import _compat
 from ..bindings import exact_binding
+from ..passes.memory_plan import plan_offsets
 from .safety import CaptureGuard
 
 _ALIGN = 64
@@ -217,9 +219,6 @@ class _Allocation:
     escapes: bool = False  # read after the graph: lives to the end, keeps its captured values
     offset: int = 0
 
-    def __post_init__(self) -> None:
-        self.size = -(-self.storage.nbytes() // _ALIGN) * _ALIGN  # bytes it takes in the arena
-
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
@@ -274,18 +273,12 @@ def _analyse(records: list, escaping: list[torch.Tensor] | None) -> tuple[list[_
 
 
 def _place(allocations: list[_Allocation]) -> int:
-    """Greedy offsets, largest first: the lowest gap that no allocation alive at the
-    same time occupies. Returns the arena bytes needed."""
-    placed: list[_Allocation] = []
-    for a in sorted(allocations, key=lambda a: (-a.size, a.first)):
-        busy = sorted((b.offset, b.offset + b.size) for b in placed if b.first <= a.last and a.first <= b.last)
-        a.offset = 0
-        for start, stop in busy:
-            if a.offset + a.size <= start:
-                break
-            a.offset = max(a.offset, stop)
-        placed.append(a)
-    return max((a.offset + a.size for a in allocations), default=0)
+    """Offsets by lifetime and size, planned as the graph passes plan theirs
+    (`memory_plan.plan_offsets`). Returns the arena bytes needed."""
+    plan = plan_offsets([(a.first, a.last, a.storage.nbytes()) for a in allocations], _ALIGN)
+    for a, offset in zip(allocations, plan.offsets):
+        a.offset = offset
+    return plan.nbytes
 
 
 def _move(allocations: list[_Allocation], arena: torch.UntypedStorage) -> list[torch.Tensor]:

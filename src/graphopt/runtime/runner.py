@@ -371,7 +371,9 @@ def _resized(leaf: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 def _rows(out: Any, dim: int | None, batch: int, clone: bool) -> Any:
     if not isinstance(out, torch.Tensor):
         return out
-    view = out.narrow(dim, 0, batch) if dim is not None else out
+    # Always a new view: the held-output check keeps weak references to what it hands
+    # out, and the graph's own output tensor never dies.
+    view = out.narrow(dim, 0, batch) if dim is not None else out.view(out.shape)
     return view.clone() if clone else view
 
 

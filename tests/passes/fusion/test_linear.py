@@ -39,6 +39,12 @@ def test_2d_linear_has_no_reshapes():
           "linear", 1, aten.linear.default, [aten.mm.default, aten.t.default])
 
 
+def test_permuted_weight_as_inductor_writes_the_transpose():
+    x, w = torch.randn(2, 5, 8), torch.randn(6, 8)
+    check(lambda x, w: x @ w.permute(1, 0), recompose_linear, (x, w),
+          "linear", 1, aten.linear.default, [aten.mm.default, aten.permute.default])
+
+
 def test_plain_mm_against_a_non_transposed_weight_is_left_alone():
     graph = aot_graph(lambda x, w: x @ w, torch.randn(5, 8), torch.randn(8, 6))
     assert recompose_linear(graph.gm).changed is False

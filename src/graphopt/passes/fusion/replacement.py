@@ -3,9 +3,9 @@ fusion library is made of, on top of Inductor's pattern matcher.
 
 A pattern is a function (`search_fn`) traced into an ATen graph; every place the
 optimized graph computes the same thing is replaced by `replace_fn` traced with the
-matched values. Each pattern is traced twice, once the way graphopt's level-1 graphs
-are decomposed (AOTAutograd's defaults) and once the way Inductor's post-grad graphs
-are (level 2), so one registration matches at both levels.
+matched values. A pattern is traced the way the graph it runs on was decomposed:
+at level 1 as AOTAutograd decomposes (composite ops only), at level 2 with
+Inductor's decompositions too, so one registration matches at both levels.
 """
 
 from __future__ import annotations
@@ -91,19 +91,21 @@ class PatternSet:
                 matcher, counts = _compat.pattern_matcher_pass(self.name), Counter()
                 for pattern in self.patterns:
                     if level in pattern.levels:
-                        _register(pattern, matcher, counts)
+                        _register(pattern, matcher, counts, level)
                 self._matchers[level] = (matcher, counts)
             return self._matchers[level]
 
 
-def _register(pattern: Pattern, matcher: Any, counts: Counter) -> None:
-    traces = [pattern.trace_fn] if pattern.trace_fn is not fwd_only else [fwd_only, _inductor_trace]
-    for trace in traces:
-        entries = _compat.register_pattern(
-            pattern.search_fn, pattern.replace_fn, pattern.example_inputs, trace, matcher,
-            pattern.extra_check, pattern.scalar_workaround, pattern.search_fn_pattern)
-        for entry in entries:
-            entry.extra_check = _counting(entry.extra_check, pattern.name, counts)
+def _register(pattern: Pattern, matcher: Any, counts: Counter, level: int) -> None:
+    # The replacement is traced like the search: at level 2 with Inductor's
+    # decompositions, since an op Inductor decomposes (gelu, prelu) cannot be put
+    # back into its post-grad graph.
+    trace = _inductor_trace if pattern.trace_fn is fwd_only and level == 2 else pattern.trace_fn
+    entries = _compat.register_pattern(
+        pattern.search_fn, pattern.replace_fn, pattern.example_inputs, trace, matcher,
+        pattern.extra_check, pattern.scalar_workaround, pattern.search_fn_pattern)
+    for entry in entries:
+        entry.extra_check = _counting(entry.extra_check, pattern.name, counts)
 
 
 def _counting(check: Callable[[Any], bool], name: str, counts: Counter) -> Callable[[Any], bool]:

@@ -1,0 +1,413 @@
+"""Attention fusion: written-out `softmax(q @ kᵀ * scale + mask) @ v` -> SDPA."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from ... import _compat
+from ..manager import PassResult
+from . import FUSED_ATEN_OPS
+
+aten, prims = torch.ops.aten, torch.ops.prims
+
+_SDPA_OPS = {op for op, name in FUSED_ATEN_OPS.items() if name == "scaled_dot_product_attention"}
+_RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+# A batched matmul's decomposition re-reads its operands through these only.
+_LAYOUT = _RESHAPES | {aten.expand.default, aten.clone.default}
+_CASTS = {aten._to_copy.default, prims.convert_element_type.default}
+_SCALES = {aten.mul.Tensor: False, aten.mul.Scalar: False, aten.div.Tensor: True, aten.div.Scalar: True}
+_NOTS = (aten.bitwise_not.default, aten.logical_not.default)
+# A softmax's input is at most this many stages (scale, mask, cast) from the product.
+_MAX_STAGES = 6
+
+
+def fuse_attention(gm: torch.fx.GraphModule) -> PassResult:
+    """Replace each written-out attention by `scaled_dot_product_attention`.
+
+        before:  bmm = aten.bmm(view_q, view_kt);  scores = aten.view(bmm, [b, h, l, s])
+                 mul = aten.mul(scores, 0.125);  add = aten.add(mul, mask);  p = aten._softmax(add, -1, False)
+                 ...;  bmm_1 = aten.bmm(view_p, view_v);  out = aten.view(bmm_1, [b, h, l, d])
+        after:   sdpa = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=0.125)
+                 out = getitem(sdpa, 0)
+
+    Matches `matmul(q, kᵀ)` scaled by numbers (× c, ÷ c, or q or k multiplied
+    first), at most one mask (additive, of q's dtype; or `masked_fill`/`where`
+    with -inf or `finfo.min`), a softmax over the last dim (optionally in float32
+    between casts) and `matmul(probs, v)`, in 3-D or 4-D. k and v repeated for GQA
+    (`repeat_kv`, `repeat_interleave`) go in unrepeated with `enable_gqa=True`
+    where the fused kernel takes that. SDPA is traced per match, so it becomes
+    the kernel the device runs (flash on CPU; flash, efficient or cuDNN on CUDA);
+    where SDPA would run its unfused math fallback, nothing changes. Nor for a
+    scale after the mask, a mask of another dtype, other fills, a softmax over
+    another dim, float32 on CUDA without TF32 allowed, or intermediates read
+    elsewhere (attention weights returned). Query rows whose keys are all masked
+    may differ: eager gives NaN for -inf fills, SDPA zeros.
+
+    A direct FX pass, not a `PatternSet`: attention comes in more forms than
+    patterns can list (the variants above, times the views, expands and clones
+    each matmul decomposes into, which depend on the operands' strides). Each
+    matmul is read back to its logical operands, and the stages between walked.
+    """
+    decompositions = _compat.inductor_decompositions() if gm.meta.get("graphopt_level", 1) == 2 else {}
+    mode = _compat.fake_mode_of(gm) or contextlib.nullcontext()  # SDPA is traced on the graph's values
+    fused = 0
+    for node in list(gm.graph.nodes):  # replaced nodes stay (dead) until the end
+        found = _match(gm, node) if node.op == "call_function" else None
+        fused += found is not None and _replace(gm.graph, found, decompositions, mode)
+    if fused:
+        gm.graph.eliminate_dead_code()
+    return PassResult(changed=fused > 0, counts={"scaled_dot_product_attention": fused} if fused else {})
+
+
+@dataclass
+class _Found:
+    q: torch.fx.Node
+    k: torch.fx.Node  # [..., s, d], or kᵀ when `k_transposed`
+    v: torch.fx.Node
+    out: torch.fx.Node
+    scale: float
+    k_transposed: bool
+    mask: torch.fx.Node | None
+    mask_kind: str  # "add": a float mask; "keep"/"drop": where a bool mask is True
+    fill: float
+    internal: set  # the nodes replaced: read by each other and by `out` only
+    gqa: tuple[torch.fx.Node, torch.fx.Node] | None = None  # k and v before their repeat
+
+
+def _match(gm: torch.fx.GraphModule, node: torch.fx.Node) -> _Found | None:
+    softmax = _softmax(node)
+    walked = _scores(gm, softmax[0], _MAX_STAGES) if softmax else None
+    if walked is None:
+        return None
+    stages, (q, kt, internal) = walked
+    scale, mask, mask_kind, fill, cast = 1.0, None, "", -math.inf, None
+    for stage, kind, value in reversed(stages):  # in the order the code computes them
+        if kind == "scale" and mask is None:  # SDPA scales before it masks
+            scale *= value
+        elif kind == "cast" and cast is None:
+            cast = stage
+        elif kind in ("add", "keep", "drop") and mask is None:
+            (mask, fill), mask_kind = value, kind
+            if kind == "drop" and mask.target in _NOTS:
+                mask, mask_kind = mask.args[0], "keep"  # `~keep` only says what to drop
+        else:
+            return None
+    internal |= softmax[1] | {stage for stage, _, _ in stages}
+    probs = node
+    if len(probs.users) == 1 and next(iter(probs.users)).target in _CASTS:
+        internal.add(probs)
+        probs = next(iter(probs.users))
+    consumer = _consumer(probs)
+    if consumer is None:
+        return None
+    v, out, consumer_nodes = consumer
+    q, q_factor = _unscaled(q)
+    k, k_transposed = _untransposed(kt)
+    k, k_factor = (kt, 1.0) if k_transposed else _unscaled(k)
+    found = _Found(q, k, v, out, scale * q_factor * k_factor, k_transposed, mask, mask_kind, fill,
+                   internal | consumer_nodes | {probs})
+    found.gqa = _repeated_pair(found)
+    return found if _valid(found, cast) else None
+
+
+def _val(node: Any) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _last_dim(x: Any, dims: Any) -> bool:
+    dims, val = dims if isinstance(dims, (list, tuple)) else [dims], _val(x)
+    return val is not None and len(dims) == 1 and dims[0] in (-1, val.dim() - 1)
+
+
+def _softmax(node: torch.fx.Node) -> tuple[torch.fx.Node, set] | None:
+    """(input, the softmax's nodes but the last) when `node` is a softmax over the
+    last dim: `_softmax`, or Inductor's amax/sub/exp/sum/div decomposition."""
+    if node.target is aten._softmax.default:
+        return (node.args[0], set()) if _last_dim(node.args[0], node.args[1]) else None
+    if node.target is not aten.div.Tensor or not all(isinstance(a, torch.fx.Node) for a in node.args):
+        return None
+    exp, total = node.args
+    if exp.target is not aten.exp.default or total.target is not aten.sum.dim_IntList \
+            or total.args[0] is not exp or exp.args[0].target is not aten.sub.Tensor:
+        return None
+    x, amax = exp.args[0].args
+    if not (isinstance(amax, torch.fx.Node) and amax.target is aten.amax.default and amax.args[0] is x
+            and _last_dim(x, amax.args[1]) and _last_dim(x, total.args[1])):
+        return None
+    return x, {exp, total, exp.args[0], amax}
+
+
+def _scores(gm: torch.fx.GraphModule, x: Any, budget: int):
+    """([(node, kind, value)] from the softmax's input back, (a, b, product's nodes))
+    when `x` is `a @ b` after stages, each stage tried in every reading of it."""
+    product = _matmul(x) if isinstance(x, torch.fx.Node) else None
+    if product is not None:
+        return [], (product[0], product[1], product[2] | {x})
+    for kind, source, value in _stages(gm, x) if budget and isinstance(x, torch.fx.Node) else ():
+        rest = _scores(gm, source, budget - 1)
+        if rest is not None:
+            return [(x, kind, value)] + rest[0], rest[1]
+    return None
+
+
+def _stages(gm: torch.fx.GraphModule, node: torch.fx.Node):
+    """What `node` may do to the scores on their way to the softmax: ("scale", input,
+    factor), ("cast", input, None), or a mask ("add"/"keep"/"drop", input, (mask, fill))."""
+    target, args = node.target, node.args
+    if target in _SCALES and not node.kwargs:
+        divide = _SCALES[target]
+        for chain, other in [(args[0], args[1])] + ([] if divide else [(args[1], args[0])]):
+            number = _number(gm, other)
+            if number and _same_shape(node, chain):
+                yield "scale", chain, 1.0 / number if divide else number
+    elif target in _CASTS:
+        source, val = _val(args[0]), _val(node)
+        if source is not None and val is not None and source.dtype in (torch.float16, torch.bfloat16) \
+                and val.dtype == torch.float32:
+            yield "cast", args[0], None
+    elif target is aten.add.Tensor and not node.kwargs:
+        for scores, mask in ((args[0], args[1]), (args[1], args[0])):
+            if _val(mask) is not None and _val(mask).dtype.is_floating_point and _same_shape(node, scores):
+                yield "add", scores, (mask, 0.0)
+    elif target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
+        if _number(gm, args[2]) is not None and _same_shape(node, args[0]):
+            yield "drop", args[0], (args[1], _number(gm, args[2]))
+    elif target is aten.where.self:
+        for kind, scores, other in (("keep", args[1], args[2]), ("drop", args[2], args[1])):
+            if _number(gm, other) is not None and _same_shape(node, scores):
+                yield kind, scores, (args[0], _number(gm, other))
+
+
+def _number(gm: torch.fx.GraphModule, arg: Any) -> float | None:
+    """`arg` as a Python number: a literal, or a one-element constant of the graph."""
+    if isinstance(arg, (int, float)) and not isinstance(arg, bool):
+        return float(arg)
+    if not isinstance(arg, torch.fx.Node):
+        return None
+    if arg.target is aten.scalar_tensor.default:
+        return _number(gm, arg.args[0])
+    if arg.target is aten.full.default and list(arg.args[0]) == []:
+        return _number(gm, arg.args[1])
+    value = getattr(gm, arg.target, None) if arg.op == "get_attr" else None
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not _compat.is_fake(value):
+        return float(value.item())
+    return None
+
+
+def _same_shape(a: Any, b: Any) -> bool:
+    va, vb = _val(a), _val(b)
+    return va is not None and vb is not None and _compat.same_shape(va, vb)
+
+
+def _matmul(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, set] | None:
+    """(a, b, the product's nodes) when `node` is `matmul(a, b)` of two tensors of its
+    rank, 3-D or 4-D: a `bmm`, or one in a batched matmul's decomposition."""
+    out = _val(node)
+    if out is None or out.dim() not in (3, 4):
+        return None
+    if node.target is aten.matmul.default:
+        a, b = node.args
+        return (a, b, set()) if all(_val(t) is not None and _val(t).dim() == out.dim() for t in (a, b)) else None
+    bmm = node.args[0] if node.target in _RESHAPES else node
+    if not isinstance(bmm, torch.fx.Node) or bmm.target is not aten.bmm.default or _val(bmm) is None \
+            or _val(bmm.args[0]) is None or (bmm is not node and len(bmm.users) != 1) \
+            or (bmm is node and out.dim() != 3) or not _compat.same_sizes(_val(bmm).shape[1:], out.shape[-2:]):
+        return None
+    batch, (rows, cols), inner = tuple(out.shape[:-2]), out.shape[-2:], _val(bmm.args[0]).shape[-1]
+    a, b = _logical(bmm.args[0], batch + (rows, inner)), _logical(bmm.args[1], batch + (inner, cols))
+    return None if a is None or b is None else (a, b, {bmm} - {node})
+
+
+def _logical(operand: torch.fx.Node, shape: tuple) -> torch.fx.Node | None:
+    """The earliest value of `shape` in the reshape/expand/clone chain feeding
+    `operand`. The chain keeps the element count (a broadcasting expand would grow
+    it), so that value read in row-major order is the operand."""
+    found, node = None, operand
+    while isinstance(node, torch.fx.Node):
+        if _val(node) is not None and _compat.same_sizes(_val(node).shape, shape):
+            found = node
+        if node.target not in _LAYOUT:
+            break
+        node = node.args[0]
+    return found
+
+
+def _consumer(probs: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, set] | None:
+    """(v, output, product's nodes) when `probs`' one reader chain is `probs @ v`."""
+    node, chain = probs, set()
+    while len(node.users) == 1 and _val(probs) is not None:
+        user = next(iter(node.users))
+        if user.target in (aten.bmm.default, aten.matmul.default) and user.args[0] is node:
+            output = user
+            if user.target is aten.bmm.default and _val(probs).dim() == 4:
+                output = next(iter(user.users)) if len(user.users) == 1 else user
+            product = _matmul(output)
+            if product is None or product[0] is not probs:
+                return None
+            return product[1], output, chain | product[2]
+        if user.target not in _LAYOUT:
+            return None
+        chain.add(user)
+        node = user
+    return None
+
+
+def _unscaled(node: torch.fx.Node) -> tuple[torch.fx.Node, float]:
+    """(x, c) for an `x * c` or `x / c` that nothing else reads, else (node, 1)."""
+    if node.target in (aten.mul.Tensor, aten.div.Tensor) and len(node.users) == 1 and not node.kwargs:
+        x, c = node.args
+        if isinstance(x, torch.fx.Node) and isinstance(c, (int, float)) and not isinstance(c, bool) and c:
+            return x, float(c) if node.target is aten.mul.Tensor else 1.0 / c
+    return node, 1.0
+
+
+def _untransposed(kt: torch.fx.Node) -> tuple[torch.fx.Node, bool]:
+    """(k, False) when `kt` swaps k's last two dims, else (kt, True)."""
+    rank = _val(kt).dim() if _val(kt) is not None else 0
+    if rank and (kt.target is aten.transpose.int and {d % rank for d in kt.args[1:]} == {rank - 2, rank - 1}
+                 or kt.target is aten.permute.default
+                 and [d % rank for d in kt.args[1]] == [*range(rank - 2), rank - 1, rank - 2]):
+        return kt.args[0], False
+    return kt, True
+
+
+def _repeated(node: torch.fx.Node) -> tuple[torch.fx.Node, int] | None:
+    """(x, n) when `node` is x [b, h, s, d] with each head repeated n times, as
+    repeat_kv and repeat_interleave decompose: `unsqueeze(x, 2).expand(b, h, n, s, d)`
+    reshaped to [b, h * n, s, d]."""
+    expand = node.args[0] if node.target in _RESHAPES else None
+    if isinstance(expand, torch.fx.Node) and expand.target is aten.clone.default:
+        expand = expand.args[0]
+    if not (isinstance(expand, torch.fx.Node) and expand.target is aten.expand.default
+            and expand.args[0].target is aten.unsqueeze.default and expand.args[0].args[1] in (2, -3)):
+        return None
+    x, sizes = expand.args[0].args[0], getattr(_val(expand), "shape", ())
+    if _val(x) is None or _val(x).dim() != 4 or len(sizes) != 5 or not isinstance(sizes[2], int) \
+            or _val(node) is None:
+        return None
+    b, h, s, d = _val(x).shape
+    if not (_compat.same_sizes(sizes, (b, h, sizes[2], s, d))
+            and _compat.same_sizes(_val(node).shape, (b, h * sizes[2], s, d))):
+        return None
+    return x, sizes[2]
+
+
+def _repeated_pair(found: _Found) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    k, v = (None, None) if found.k_transposed else (_repeated(found.k), _repeated(found.v))
+    return (k[0], v[0]) if k is not None and v is not None and k[1] == v[1] else None
+
+
+def _valid(found: _Found, cast: torch.fx.Node | None) -> bool:
+    q, k, v, out, mask = (_val(n) for n in (found.q, found.k, found.v, found.out, found.mask))
+    if q is None or k is None or v is None or out is None or not math.isfinite(found.scale):
+        return False
+    if not (q.dtype == k.dtype == v.dtype == out.dtype and q.dtype.is_floating_point
+            and q.device == k.device == v.device):
+        return False
+    if cast is not None and q.dtype != getattr(_val(cast.args[0]), "dtype", None):
+        return False
+    if q.device.type == "cuda" and q.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return False  # CUDA's fused kernels multiply float32 in TF32, which is not allowed
+    # Fills SDPA reproduces: -inf, and finfo.min as an additive mask of it.
+    dtype, fills = ((q.dtype, (0.0,)) if found.mask_kind == "add"
+                    else (torch.bool, (-math.inf, torch.finfo(q.dtype).min)))
+    if found.mask is not None and (mask is None or mask.device != q.device or mask.dim() > q.dim()
+                                   or mask.dtype != dtype or found.fill not in fills):
+        return False
+    return all(set(n.users) <= found.internal | {found.out} for n in found.internal)
+
+
+def _replacement(found: _Found, gqa: bool):
+    rank3 = _val(found.q).dim() == 3
+
+    def attention(q, k, v, mask=None):
+        k = k.transpose(-2, -1) if found.k_transposed else k
+        if rank3:
+            q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        if mask is not None and found.fill == -math.inf:
+            mask = mask if found.mask_kind == "keep" else mask.logical_not()
+        elif mask is not None and found.mask_kind != "add":  # finfo.min: additive, so all-masked rows agree
+            mask = (mask if found.mask_kind == "drop" else mask.logical_not()).to(q.dtype) * found.fill
+        extra = {"enable_gqa": True} if gqa else {}
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=found.scale, **extra)
+        return out.squeeze(0) if rank3 else out
+
+    return attention
+
+
+def _trace(found: _Found, decompositions: dict, mode: Any) -> tuple[torch.fx.GraphModule, list] | None:
+    """SDPA traced for the match's values (with k and v unrepeated first, where the
+    fused kernel takes GQA), or None when it would run unfused."""
+    mask = [] if found.mask is None else [found.mask]
+    choices = [(True, [found.q, *found.gqa])] if found.gqa else []
+    for gqa, inputs in choices + [(False, [found.q, found.k, found.v])]:
+        values = [_val(n) for n in inputs + mask]
+        try:
+            with mode:
+                traced = _compat.trace_forward(_replacement(found, gqa), values, decompositions)
+        except Exception:  # noqa: BLE001 - what SDPA cannot trace (e.g. without enable_gqa) is not fused
+            continue
+        if any(n.target in _SDPA_OPS for n in traced.graph.nodes):
+            return traced, inputs + mask
+    return None
+
+
+def _replace(graph: torch.fx.Graph, found: _Found, decompositions: dict, mode: Any) -> bool:
+    traced = _trace(found, decompositions, mode)
+    if traced is None:
+        return False
+    traced, inputs = traced
+    result = next(n for n in traced.graph.nodes if n.op == "output").args[0]
+    with mode:
+        restrided = _restrided_users(found.out, _val(result))
+    copied = dict(zip((n for n in traced.graph.nodes if n.op == "placeholder"), inputs))
+    with graph.inserting_before(found.out):
+        new = graph.graph_copy(traced.graph, copied)
+        if restrided is None:  # a reader needs the product's layout: give SDPA's result that
+            new = graph.call_function(aten.clone.default, (new,), {"memory_format": torch.contiguous_format})
+            new.meta["val"] = _val(found.out)
+    for node in [n for t, n in copied.items() if t.op != "placeholder"] + [new]:
+        node.meta.setdefault("stack_trace", found.out.meta.get("stack_trace"))
+    found.out.replace_all_uses_with(new)
+    for node, val in (restrided or {}).items():
+        node.meta["val"] = val
+    return True
+
+
+def _restrided_users(out: torch.fx.Node, val: torch.Tensor) -> dict | None:
+    """New `val`s of the nodes downstream of `out` whose strides change when `out`
+    becomes `val`, or None when one cannot take the new layout (a `view` that needs
+    the old strides, a graph output, an op that writes)."""
+    changed, queue = {out: val}, [out] if not _same_layout(_val(out), val) else []
+    while queue:
+        for user in queue.pop(0).users:
+            if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload) \
+                    or user.target._schema.is_mutable:
+                return None
+            args, kwargs = torch.fx.node.map_arg((user.args, user.kwargs),
+                                                 lambda n: changed[n] if n in changed else n.meta.get("val"))
+            try:
+                new = user.target(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - the op refuses the new layout (or a value is missing)
+                return None
+            if not isinstance(new, torch.Tensor):
+                return None
+            if not _same_layout(_val(user), new):
+                changed[user] = new
+                queue.append(user)
+    del changed[out]
+    return changed
+
+
+def _same_layout(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    return a is not None and a.dtype == b.dtype and _compat.same_shape(a, b) and all(
+        _compat.known_true(size == 1) or _compat.known_true(x == y)
+        for size, x, y in zip(a.shape, a.stride(), b.stride()))
