@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_leaves
 from .. import _compat
 from .cleanup import GraphFacts, alias_root, has_effect, same_layout, written_roots
 from .manager import PassResult
+from .strides import fake_run, same_sizes_and_dtypes, same_strides
 
 aten = torch.ops.aten
 NHWC, NCHW = torch.channels_last, torch.contiguous_format
@@ -184,19 +185,19 @@ def _plan(graph: torch.fx.Graph, seeds: list[torch.fx.Node], written: set, fake_
             ready = _has_strides(value(x), _NHWC_ORDER)  # C == 1 is both: no copy needed
             with fake_mode:  # the weight is converted too (`_convert_weight`)
                 nhwc = {n: aten.clone.default(value(n), memory_format=NHWC) for n in (x, w)}
-            new = _fake_run(node, {**vals, **nhwc}, fake_mode)
+            new = fake_run(node, {**vals, **nhwc}, fake_mode)
             if new is not None:  # else torch refuses this conv channels-last: it stays as it is
                 plan.convs.append(node)
                 if not ready:
                     plan.to_nhwc.setdefault(x, []).append(node)
-                if not _same_strides(new, old):
+                if not _same_layout(new, old):
                     vals[node] = new
                 continue
         changed = [i for i in node.all_input_nodes if i in vals]
         if not changed:
             continue
-        new = None if _fixed(node, written) else _fake_run(node, vals, fake_mode)
-        if new is not None and _same_strides(new, old) and _reads_values_only(node):
+        new = None if _fixed(node, written) else fake_run(node, vals, fake_mode)
+        if new is not None and _same_layout(new, old) and _reads_values_only(node):
             continue  # e.g. mean over H and W: same result, same strides
         if new is not None and _joins_region(node, new, old):
             vals[node] = new
@@ -232,26 +233,8 @@ def _joins_region(node: torch.fx.Node, new: Any, old: Any) -> bool:
         return False
     pairs = list(zip(_tensors(new), _tensors(old)))
     return bool(pairs) and len(_tensors(new)) == len(tree_leaves(new)) and all(
-        _same_strides(n, o) or (_is_nhwc(n) and _is_contiguous(o)) for n, o in pairs) \
-        and any(_is_nhwc(n) and not _same_strides(n, o) for n, o in pairs)
-
-
-def _fake_run(node: torch.fx.Node, vals: dict, fake_mode: Any) -> Any:
-    """The node's fake result with `vals` for the inputs whose layout changed; None
-    when torch refuses those inputs (a `view` that needs contiguous strides)."""
-    def value(n: torch.fx.Node) -> Any:
-        if n in vals:
-            return vals[n]
-        if "val" not in n.meta:
-            raise LookupError(n.name)
-        return n.meta["val"]
-
-    try:
-        args, kwargs = torch.fx.map_arg((node.args, node.kwargs), value)
-        with fake_mode:
-            return node.target(*args, **kwargs)
-    except Exception:  # noqa: BLE001 - any refusal means: convert the input back
-        return None
+        _same_layout(n, o) or (_is_nhwc(n) and _is_contiguous(o)) for n, o in pairs) \
+        and any(_is_nhwc(n) and not _same_layout(n, o) for n, o in pairs)
 
 
 def _insert_conversion(source: torch.fx.Node, readers: list[torch.fx.Node], fmt: torch.memory_format,
@@ -289,18 +272,8 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def _same_strides(new: Any, old: Any) -> bool:
-    """Same sizes and strides for every tensor (strides of size-1 dims ignored)."""
-    a, b = _tensors(new), _tensors(old)
-    if len(a) != len(b) or len(tree_leaves(new)) != len(tree_leaves(old)):
-        return False
-    for x, y in zip(a, b):
-        if x.dtype != y.dtype or not _compat.same_sizes(x.shape, y.shape):
-            return False
-        kept = [d for d, size in enumerate(x.shape) if not _compat.known_true(size == 1)]
-        if not _compat.same_sizes([x.stride(d) for d in kept], [y.stride(d) for d in kept]):
-            return False
-    return True
+def _same_layout(new: Any, old: Any) -> bool:
+    return same_sizes_and_dtypes(new, old) and same_strides(new, old)
 
 
 def _is_nhwc(val: Any) -> bool:

@@ -14,7 +14,8 @@ from ..cleanup import GraphFacts, alias_root, erase_dead
 from ..constant_fold import FROZEN_INPUTS, fold_node
 from ..manager import PassResult
 from . import FUSED_TAG
-from .linear import DecomposedLinear, decomposed_linear, restrided, set_values
+from ..strides import restrided, set_values
+from .linear import DecomposedLinear, decomposed_linear
 
 aten = torch.ops.aten
 
