@@ -69,18 +69,18 @@ def builtin_passes() -> dict[str, PassFn]:
 CLEANUP = ["dce", "remove_noops", "remove_redundant", "simplify_algebra", "cse", "fold_constants"]
 CLEANUP_ROUNDS = 4
 
-# Mutation-introducing passes go last: the passes before them see a functional graph.
-# At level 2 Inductor re-inplaces input mutations itself and expects a functional graph,
-# and it lowers a decomposed linear better than an `aten.linear` call.
-# convert_layout is level 1 only: Inductor chooses channels-last for convolution graphs
-# itself (GraphLowering.decide_layout_opt, always on CPU with oneDNN), and would have to
-# honour graphopt's explicit clones as copies.
 def _fusions() -> list[str]:
     from .fusion import fusion_passes
 
     return list(fusion_passes())
 
 
+# Mutation-introducing passes go last: the passes before them see a functional graph.
+# At level 2 Inductor re-inplaces input mutations itself and expects a functional graph,
+# and it lowers a decomposed linear better than an `aten.linear` call.
+# convert_layout is level 1 only: Inductor chooses channels-last for convolution graphs
+# itself (GraphLowering.decide_layout_opt, always on CPU with oneDNN), and would have to
+# honour graphopt's explicit clones as copies.
 PIPELINES: dict[int, list[str]] = {
     0: [],
     1: [*CLEANUP, *_fusions(), "recompose_linear", "recompose_matmul", "convert_layout",

@@ -39,9 +39,9 @@ def _always(match: Any) -> bool:
     return True
 
 
-@dataclass
+@dataclass(eq=False)  # a registration is itself: remove() finds it by identity
 class Pattern:
-    """One replacement: where it applies and how often it fired."""
+    """One replacement, and the levels it applies at."""
 
     name: str
     search_fn: Callable
@@ -52,6 +52,12 @@ class Pattern:
     scalar_workaround: dict[str, Any] | None = None
     search_fn_pattern: Any = None
     levels: tuple[int, ...] = (1, 2)
+    owner: PatternSet | None = None
+
+    def remove(self) -> None:
+        """Stop applying this pattern in graphs optimized from now on."""
+        if self.owner is not None:
+            self.owner.remove(self)
 
 
 @dataclass
@@ -66,6 +72,7 @@ class PatternSet:
 
     def add(self, pattern: Pattern) -> Pattern:
         with self._lock:
+            pattern.owner = self
             self.patterns.append(pattern)
             self._matchers.clear()
         return pattern
@@ -136,10 +143,8 @@ def register_replacement(search_fn: Callable, replace_fn: Callable, example_inpu
     """
     name = getattr(search_fn, "__name__", "pattern")
     _check_replacement(name, search_fn, replace_fn, example_inputs, trace_fn)
-    pattern = USER_PATTERNS.add(Pattern(name, search_fn, replace_fn, list(example_inputs), trace_fn,
-                                        extra_check, None, search_fn_pattern))
-    pattern.remove = lambda: USER_PATTERNS.remove(pattern)  # type: ignore[attr-defined]
-    return pattern
+    return USER_PATTERNS.add(Pattern(name, search_fn, replace_fn, list(example_inputs), trace_fn,
+                                     extra_check, None, search_fn_pattern))
 
 
 def _check_replacement(name: str, search_fn: Callable, replace_fn: Callable,
