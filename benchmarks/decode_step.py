@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 from rich.console import Console
@@ -20,6 +19,7 @@ from rich.table import Table
 
 import graphopt
 from graphopt.models import Decoder, DecoderConfig
+from timing import interleaved_times
 
 
 def step_inputs(config: DecoderConfig, batch: int, device: str) -> tuple[torch.Tensor, ...]:
@@ -44,7 +44,6 @@ def main() -> None:
     config = getattr(DecoderConfig, args.config)()
     torch.manual_seed(0)
     model = Decoder(config).eval().to(args.device)
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
     variants = {"eager": model}
     for level in (int(x) for x in args.levels.split(",")):
@@ -54,22 +53,8 @@ def main() -> None:
         variants[f"level {level} + device graphs"] = graphopt.optimize(
             model, graphopt.GraphOptimizationConfig(graph_opt_level=level, cudagraph_capture_sizes=batch_sizes),
             pad_values={"slots": model.scratch_slot})
-    times: dict[tuple[str, int], list[float]] = {(v, b): [] for v in variants for b in batch_sizes}
-    with torch.inference_mode():
-        for step in variants.values():  # compile, capture, then warm every batch size
-            for batch in batch_sizes:
-                for _ in range(4):
-                    step(*step_inputs(config, batch, args.device))
-        for _ in range(args.rounds):
-            for batch in batch_sizes:
-                inputs = step_inputs(config, batch, args.device)
-                for name, step in variants.items():
-                    sync()
-                    start = time.perf_counter()
-                    for _ in range(args.steps):
-                        step(*inputs)
-                    sync()
-                    times[name, batch].append((time.perf_counter() - start) / args.steps * 1e6)
+    times = interleaved_times(variants, batch_sizes, lambda b: step_inputs(config, b, args.device),
+                              args.rounds, args.steps, args.device)
 
     table = Table(title=f"decode step, {args.config} reference decoder",
                   caption=f"torch {torch.__version__} · {args.device} · {args.threads} thread(s) · "

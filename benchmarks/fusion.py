@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any, Callable
 
 import torch
@@ -26,6 +25,7 @@ from rich.table import Table
 import graphopt
 from graphopt.models import Decoder, DecoderConfig
 from graphopt.passes.fusion import fusion_passes
+from timing import interleaved_times
 
 FUSIONS = [name for name in fusion_passes() if name != "user_replacements"]
 
@@ -96,7 +96,6 @@ def fused_op_table(models: dict[str, Callable[[], tuple[torch.nn.Module, dict]]]
 def step_time_table(config: DecoderConfig, device: str, batch_sizes: list[int], rounds: int, steps: int) -> Table:
     torch.manual_seed(0)
     model = Decoder(config).eval().to(device)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     variants: dict[str, Any] = {"eager": model}
     for graphs in (False, True):
         for fusion in (False, True):
@@ -110,22 +109,7 @@ def step_time_table(config: DecoderConfig, device: str, batch_sizes: list[int], 
         ids = torch.randint(0, config.vocab_size, (batch,), generator=torch.Generator().manual_seed(batch))
         return tuple(x.to(device) for x in (ids, torch.full((batch,), 7), torch.arange(batch)))
 
-    times: dict[tuple[str, int], list[float]] = {(v, b): [] for v in variants for b in batch_sizes}
-    with torch.inference_mode():
-        for step in variants.values():
-            for batch in batch_sizes:
-                for _ in range(4):
-                    step(*inputs(batch))
-        for _ in range(rounds):
-            for batch in batch_sizes:
-                args = inputs(batch)
-                for name, step in variants.items():
-                    sync()
-                    start = time.perf_counter()
-                    for _ in range(steps):
-                        step(*args)
-                    sync()
-                    times[name, batch].append((time.perf_counter() - start) / steps * 1e6)
+    times = interleaved_times(variants, batch_sizes, inputs, rounds, steps, device)
 
     table = Table(title="decode step of the reference decoder, level 1 with fusion off and on",
                   caption=f"torch {torch.__version__} · {device} · {torch.get_num_threads()} thread(s) · "

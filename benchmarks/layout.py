@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 from rich.console import Console
@@ -24,6 +23,7 @@ from rich.table import Table
 
 import graphopt
 from graphopt.models import ResNet, ResNetConfig
+from timing import interleaved_times
 
 
 def main() -> None:
@@ -41,7 +41,6 @@ def main() -> None:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     torch.manual_seed(0)
     model = ResNet(ResNetConfig.tiny(dtype=getattr(torch, args.dtype))).to(args.device)
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
     variants: dict[str, torch.nn.Module] = {"eager": model}
     pairs: dict[str, str] = {}  # layout variant -> the same variant in NCHW
@@ -56,21 +55,7 @@ def main() -> None:
             pairs[f"{name}, NHWC pass"] = f"{name}, NCHW"
 
     inputs = {b: model.example_input(b).to(args.device) for b in batch_sizes}
-    times: dict[tuple[str, int], list[float]] = {(v, b): [] for v in variants for b in batch_sizes}
-    with torch.inference_mode():
-        for step in variants.values():  # compile, capture, then warm every batch size
-            for batch in batch_sizes:
-                for _ in range(4):
-                    step(inputs[batch])
-        for _ in range(args.rounds):
-            for batch in batch_sizes:
-                for name, step in variants.items():
-                    sync()
-                    start = time.perf_counter()
-                    for _ in range(args.steps):
-                        step(inputs[batch])
-                    sync()
-                    times[name, batch].append((time.perf_counter() - start) / args.steps * 1e6)
+    times = interleaved_times(variants, batch_sizes, lambda b: (inputs[b],), args.rounds, args.steps, args.device)
 
     table = Table(title=f"ResNet-like tiny CNN ({args.dtype}), NCHW vs the channels-last layout pass",
                   caption=f"torch {torch.__version__} · {args.device} · {args.threads} thread(s) · "

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Callable
 
 import torch
@@ -25,6 +24,7 @@ from rich.table import Table
 
 import graphopt
 from graphopt.models import Decoder, DecoderConfig
+from timing import interleaved_times
 
 VARIANTS = ("before", "after")
 
@@ -86,20 +86,7 @@ def measure(label: str, workload, batch_sizes: list[int], args) -> list[list[str
         steps[f"{variant}, level 1"] = graphopt.optimize(model, config(variant, use_cudagraph=False), **extra)
         steps[f"{variant}, host graphs"] = graphopt.optimize(
             model, config(variant, cudagraph_capture_sizes=batch_sizes), **extra)
-    times: dict[tuple[str, int], list[float]] = {(v, b): [] for v in steps for b in batch_sizes}
-    with torch.inference_mode():
-        for step in steps.values():  # compile, capture, then warm every batch size
-            for batch in batch_sizes:
-                for _ in range(4):
-                    step(*inputs(batch))
-        for _ in range(args.rounds):
-            for batch in batch_sizes:
-                example = inputs(batch)
-                for name, step in steps.items():
-                    start = time.perf_counter()
-                    for _ in range(args.steps):
-                        step(*example)
-                    times[name, batch].append((time.perf_counter() - start) / args.steps * 1e6)
+    times = interleaved_times(steps, batch_sizes, inputs, args.rounds, args.steps)
     arenas = {(v, c.size): c.nbytes for v in VARIANTS for c in steps[f"{v}, host graphs"].report().captures}
     for batch in batch_sizes:
         before, after = plans["before", batch], plans["after", batch]
