@@ -8,6 +8,8 @@ signature moved, so an upgrade breaks this file and no other.
 from __future__ import annotations
 
 import inspect
+import re
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -136,6 +138,17 @@ def fake_mode_of(gm: torch.fx.GraphModule) -> Any:
     return detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
 
 
+def backend_fakes(example_inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
+    """The fake mode a compiler backend traces in, and `example_inputs` as its fake
+    values (with the symbolic sizes Dynamo gave them); (None, []) outside one."""
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode(list(example_inputs))
+    if mode is None:
+        return None, []
+    return mode, [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+
+
 def outside_fake_mode() -> Any:
     """A context that runs real tensors while a compiler's FakeTensorMode is active
     (passes run inside AOTAutograd's and Inductor's tracing)."""
@@ -167,6 +180,15 @@ def allow_recompiles(count: int) -> None:
     setattr(config, name, getattr(config, name) + count)
 
 
+def written_arguments(op: Any, args: tuple, kwargs: dict) -> list[Any]:
+    """The arguments an ATen call writes in place (its schema's mutable aliases)."""
+    written = []
+    for i, argument in enumerate(op._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            written.append(args[i] if i < len(args) else kwargs.get(argument.name))
+    return written
+
+
 def current_dispatch_mode() -> Any:
     """The innermost TorchDispatchMode of this thread, or None."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -182,44 +204,78 @@ def known_true(condition: Any) -> bool:
     return bool(statically_known_true(condition))
 
 
-def output_batch_dims(fn: Callable, leaves: list, spec: Any, dims: list) -> list:
-    """For each output leaf of `fn`, the dim that follows the batch, found by
-    running `fn` on fake tensors whose dynamic dims are symbolic: no real work,
-    no side effects. Raises ValueError for an output a batch slice cannot give."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
-    from torch.utils._pytree import tree_leaves, tree_unflatten
+def graph_inputs(gm: torch.fx.GraphModule) -> list[tuple[str, str | None, Any]]:
+    """For each placeholder of a Dynamo graph: (kind, argument name, example value).
 
-    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
-    fakes, batch = [], set()
-    for leaf, dim in zip(leaves, dims):
-        if not isinstance(leaf, torch.Tensor):
-            fakes.append(leaf)
-            continue
-        sizes = [DimDynamic.DYNAMIC if d == dim else DimDynamic.STATIC for d in range(leaf.dim())]
-        fake = mode.from_tensor(leaf, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
-        if dim is not None and isinstance(fake.shape[dim], torch.SymInt):
-            batch.add(fake.shape[dim].node.expr)
-        fakes.append(fake)
-    args, kwargs = tree_unflatten(fakes, spec)
-    with mode:
-        outputs = tree_leaves(fn(*args, **kwargs))
-    symbols = {sym for expr in batch for sym in expr.free_symbols}
-    pinned = [sym for sym in symbols if mode.shape_env.replacements.get(sym, sym).is_number]
-    if pinned:
-        # An op fixed the batch size to the example's (e.g. interpolate's output size):
-        # outputs would carry no batch dim to slice.
-        raise ValueError("the model specializes on the batch size, so the outputs' batch dims "
-                         "cannot be told apart from fixed sizes")
+    kind is "static" for parameters, buffers and tensors marked static
+    (`torch._dynamo.mark_static_address`), "symint" for a symbolic size, else
+    "input". The argument name is the `forward` argument the value came from
+    (`slots` for `L['slots']`, `input_ids` for `L['kwargs']['input_ids']`), or None.
+    The example value is Dynamo's fake tensor or SymInt, with symbolic sizes.
+    """
     found = []
-    for out in outputs:
-        follows = [d for d, s in enumerate(getattr(out, "shape", ())) if isinstance(s, torch.SymInt)
-                   and s.node.expr.free_symbols & {sym for expr in batch for sym in expr.free_symbols}]
-        if len(follows) > 1 or (follows and out.shape[follows[0]].node.expr not in batch):
-            raise ValueError(f"an output of shape {tuple(out.shape)} depends on the batch size in a way a "
-                             "slice of its rows cannot undo")
-        found.append(follows[0] if follows else None)
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        grapharg = node.meta.get("grapharg")
+        source = getattr(grapharg, "source", None)
+        name = getattr(source, "name", "")
+        name = name() if callable(name) else str(name)  # a method before torch 2.12, a property since
+        example = node.meta.get("example_value")
+        real = getattr(grapharg, "example", None) if grapharg is not None else None
+        if isinstance(example, torch.SymInt):
+            kind = "symint"
+        elif "._parameters[" in name or "._buffers[" in name or \
+                getattr(real, "_dynamo_static_input_type", None) is not None:
+            kind = "static"
+        else:
+            kind = "input"
+        match = re.match(r"L\['(\w+)'\](?:\['(\w+)'\])?", name)
+        argument = None
+        if match:
+            argument = match.group(2) if match.group(1) == "kwargs" and match.group(2) else match.group(1)
+        found.append((kind, argument, example))
     return found
+
+
+def symbol_of(size: Any) -> Any:
+    """The sympy expression of a symbolic size, or None for a plain int."""
+    return size.node.expr if isinstance(size, torch.SymInt) else None
+
+
+def is_recompile() -> bool:
+    """Whether the graph being compiled now replaces one of the same frame whose
+    guards failed (a recompile), rather than being that frame's first graph."""
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    return bool(compile_id is not None and getattr(compile_id, "frame_compile_id", 0))
+
+
+_recompile_limit_listeners: list[weakref.WeakMethod] = []
+
+
+def on_recompile_limit(listener: Callable[[str], None]) -> None:
+    """Call the bound method `listener(message)`, while its object lives, whenever Dynamo gives up on a function because it
+    hit its recompile limit (it then runs that frame eagerly, saying so only in a
+    log line: this watches that log line)."""
+    import logging
+
+    if not _recompile_limit_listeners:
+        class _Watch(logging.Filter):
+            def filter(self, record: logging.LogRecord) -> bool:
+                if "hit config." in str(record.msg):
+                    message = record.getMessage().splitlines()
+                    for ref in list(_recompile_limit_listeners):
+                        notify = ref()
+                        if notify is None:
+                            _recompile_limit_listeners.remove(ref)
+                        else:
+                            notify(" ".join(line.strip() for line in message[:2]))
+                return True
+
+        logging.getLogger("torch._dynamo.convert_frame").addFilter(_Watch())
+    _recompile_limit_listeners.append(weakref.WeakMethod(listener))
 
 
 # --- Inductor's pattern matcher (graphopt.register_replacement and the fusion library) ---

@@ -6,17 +6,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import itertools
 import sys
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from . import _compat
-from .backend import GraphoptCompiler
+from .backend import Backend
 from .config import GraphOptimizationConfig
 from .report import Report
 
@@ -33,90 +32,41 @@ class DynamicDims:
             raise TypeError(f"DynamicDims takes an int dimension, got {self.dim!r}")
 
 
-class OptimizedModule(torch.nn.Module):
-    """Behaves like the model it wraps; calls run the level's optimized step.
+class _Step:
+    """What optimize() builds for any callable: dynamic-dim marking in front of
+    `torch.compile(fn, backend=Backend(config))`. Level 0 without device graphs
+    is the callable itself."""
 
-    Level 0 calls the model itself. Levels 1 and 2 call it through torch.compile
-    with graphopt's backend, marking each argument's dynamic dim first so one
-    graph serves every batch size.
-    """
-
-    def __init__(self, model: Callable, config: GraphOptimizationConfig | None = None,
-                 dynamic_dims: Mapping[str, int | DynamicDims | None] | None = None,
-                 pad_values: Mapping[str, float | int] | None = None):
-        super().__init__()
+    def __init__(self, fn: Callable, config: GraphOptimizationConfig | None,
+                 dynamic_dims: Mapping[str, int | DynamicDims | None] | None,
+                 pad_values: Mapping[str, float | int] | None):
         config = config if config is not None else GraphOptimizationConfig()
         if not isinstance(config, GraphOptimizationConfig):
             raise TypeError(f"config must be a GraphOptimizationConfig, got {type(config).__name__}; "
                             "build one with GraphOptimizationConfig(...) or .from_json(text)")
-        if not callable(model):
-            raise TypeError(f"optimize() takes an nn.Module or a function, got {type(model).__name__}")
-        forward = model.forward if isinstance(model, torch.nn.Module) else model
-        self._params = list(inspect.signature(forward).parameters)
-        self.dynamic_dims = _resolve_dynamic_dims(forward, self._params, dynamic_dims)
-        self.pad_values = _check_names("pad_values", dict(pad_values or {}), self._params)
-        self.model = model
+        if not callable(fn):
+            raise TypeError(f"optimize() takes an nn.Module or a function, got {type(fn).__name__}")
+        forward = fn.forward if isinstance(fn, torch.nn.Module) else fn
+        self.params = list(inspect.signature(forward).parameters)
+        self.dynamic_dims = _resolve_dynamic_dims(forward, self.params, dynamic_dims)
+        self.pad_values = _check_names("pad_values", dict(pad_values or {}), self.params)
         self.config = config
-        self._compiler = GraphoptCompiler(config)
-        report = self._compiler.report
-        if config.graph_opt_level == 2 and _on_cpu(model) and not _compat.inductor_available():
-            report.fallback("graph_opt_level=2: Inductor found no C++ compiler for CPU code; "
-                            "running level 1 (install gcc or clang to compile)")
-            self._compiler = GraphoptCompiler(config.replace(graph_opt_level=1), report)
-        level = self._compiler.config.graph_opt_level
-        # Inductor's generated CPU kernels bypass the ATen dispatcher, so no host graph
-        # can record them: level 2 on CPU pads to capture sizes instead, one
-        # static-shape kernel per size.
-        padded_only = config.use_cudagraph and level == 2 and _on_cpu(model)
-        if level == 0:
-            step = model
-        elif padded_only:
-            _compat.allow_recompiles(len(config.cudagraph_capture_sizes))
-            step = torch.compile(model, backend=self._compiler, dynamic=False)
-        else:
-            _compat.allow_recompiles(2)  # batch size 1, then one graph for every other size
-            step = torch.compile(model, backend=self._compiler)
-        # A plain attribute, not a submodule: torch.compile's wrapper holds `model`
-        # again, and state_dict() would list every weight twice.
-        object.__setattr__(self, "_step", step)
-        self._marks_dynamic = level > 0 and not padded_only
-        self._runner = None
-        if config.use_cudagraph:
-            if padded_only:
-                report.fallback("use_cudagraph with graph_opt_level=2 on CPU: Inductor's C++ kernels "
-                                "cannot be recorded on a host graph; inputs are padded to capture sizes "
-                                "so each size runs a static-shape kernel")
-            from .runtime.runner import GraphRunner  # the runtime loads only when device graphs are on
+        self.backend = Backend(config, dynamic_dims=self.dynamic_dims, pad_values=self.pad_values)
+        self.compiles = config.graph_opt_level > 0 or config.use_cudagraph
+        self.fn = torch.compile(fn, backend=self.backend) if self.compiles else fn
+        self.last_call: tuple[tuple, dict] | None = None
 
-            owner = getattr(model, "__self__", model)
-            self._runner = GraphRunner(
-                self._call_step, config, report, self._leaf_dims, self._leaf_pads,
-                owner if isinstance(owner, torch.nn.Module) else None, trace=model,
-                declared_dims=self.dynamic_dims is not None, device_graphs=not padded_only)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.compiles and not self.backend.compiled_dynamic:
+            leaves = tree_leaves((args, kwargs))
+            for leaf, dim in zip(leaves, self.leaf_dims(args, kwargs)):
+                if dim is not None:
+                    _compat.mark_dynamic(leaf, dim)
+        if self.config.use_cudagraph:
+            self.last_call = (args, kwargs)
+        return self.fn(*args, **kwargs)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._runner is not None:
-            return self._runner(args, kwargs)
-        return self._call_step(*args, **kwargs)
-
-    def _call_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._marks_dynamic and not self._compiler.compiled_dynamic:
-            self._mark_dynamic(args, kwargs)
-        return self._step(*args, **kwargs)
-
-    def capture_all(self, *args: Any, **kwargs: Any) -> None:
-        """Capture a device graph for every capture size now (largest first), from
-        these example inputs or, without any, the last call's."""
-        if self._runner is None:
-            raise RuntimeError("capture_all() needs use_cudagraph=True in the config")
-        if not args and not kwargs:
-            if self._runner.last_call is None:
-                raise ValueError("capture_all() needs example inputs: pass them, or call the module once first")
-            args, kwargs = self._runner.last_call
-        with _capture_progress(len(self._runner.sizes)) as advance:
-            self._runner.capture_all(args, kwargs, advance)
-
-    def _leaf_dims(self, args: tuple, kwargs: dict) -> list[int | None]:
+    def leaf_dims(self, args: tuple, kwargs: dict) -> list[int | None]:
         """The dynamic dim of every leaf of tree_flatten((args, kwargs)): dim 0 of
         every tensor by default, else the declared dim of each declared argument."""
         dims: list[int | None] = []
@@ -134,47 +84,112 @@ class OptimizedModule(torch.nn.Module):
                     dims.append(None if dim is None else dim % leaf.dim())
         return dims
 
-    def _leaf_pads(self, args: tuple, kwargs: dict) -> list[float | int]:
-        return [self.pad_values.get(name, 0) for name, value in self._named(args, kwargs)
-                for _ in tree_leaves(value)]
-
     def _named(self, args: tuple, kwargs: dict) -> list[tuple[str | None, Any]]:
-        return [(self._params[i] if i < len(self._params) else None, a) for i, a in enumerate(args)] + \
+        return [(self.params[i] if i < len(self.params) else None, a) for i, a in enumerate(args)] + \
                list(kwargs.items())
 
-    def _mark_dynamic(self, args: tuple, kwargs: dict) -> None:
-        leaves = tree_leaves((args, kwargs))
-        for leaf, dim in zip(leaves, self._leaf_dims(args, kwargs)):
-            if dim is not None:
-                _compat.mark_dynamic(leaf, dim)
+    def capture_all(self, args: tuple, kwargs: dict) -> None:
+        """Warm up and capture every capture size now, largest first, from one example call."""
+        if not self.config.use_cudagraph:
+            raise RuntimeError("capture_all() needs use_cudagraph=True in the config")
+        if not args and not kwargs:
+            if self.last_call is None:
+                raise ValueError("capture_all() needs example inputs: pass them, or call the model once first")
+            args, kwargs = self.last_call
+        leaves, spec = tree_flatten((args, kwargs))
+        dims = self.leaf_dims(args, kwargs)
+        sizes = sorted(self.config.cudagraph_capture_sizes, reverse=True)
+        with _capture_progress(len(sizes)) as advance:
+            for size in sizes:
+                advance(size)
+                sized = [_resized(leaf, dim, size) if dim is not None else leaf for leaf, dim in zip(leaves, dims)]
+                s_args, s_kwargs = tree_unflatten(sized, spec)
+                for _ in range(max(self.config.cudagraph_num_of_warmups, 1) + 1):
+                    self(*s_args, **s_kwargs)
+
+
+class _Optimized:
+    """The methods every optimized callable has, over its `_step`."""
+
+    _step: _Step
+
+    def capture_all(self, *args: Any, **kwargs: Any) -> None:
+        """Capture a device graph for every capture size now (largest first), from
+        these example inputs or, without any, the last call's."""
+        self._step.capture_all(args, kwargs)
 
     def report(self) -> Report:
-        """What ran: graphs, passes and their stats, compile times, fallbacks."""
-        return self._compiler.report
+        """What ran: graphs, passes and their stats, compile times, device graphs, fallbacks."""
+        return self._step.backend.report()
 
     def refresh(self) -> int:
         """After an in-place weight update with freeze_parameters=True: recompute
         every value constant folding computed from the weights. Returns how many."""
         from .passes.constant_fold import refresh_folded_constants
 
-        return sum(refresh_folded_constants(gm) for gm in self._compiler.graph_modules)
+        return sum(refresh_folded_constants(gm) for gm in self._step.backend.graph_modules)
 
     def graphs(self) -> list[torch.fx.GraphModule]:
         """The final ATen FX graphs, in compile order (none at level 0)."""
-        return list(self._compiler.graph_modules)
+        return list(self._step.backend.graph_modules)
+
+    @property
+    def config(self) -> GraphOptimizationConfig:
+        return self._step.config
+
+    @property
+    def dynamic_dims(self) -> dict[str, int] | None:
+        """{argument: dynamic dim}, or None for the default (dim 0 of every tensor argument)."""
+        return self._step.dynamic_dims
+
+
+class OptimizedModule(_Optimized, torch.nn.Module):
+    """Behaves like the module it wraps; calls run the level's optimized step."""
+
+    def __init__(self, model: torch.nn.Module, config: GraphOptimizationConfig | None = None,
+                 dynamic_dims: Mapping[str, int | DynamicDims | None] | None = None,
+                 pad_values: Mapping[str, float | int] | None = None):
+        super().__init__()
+        step = _Step(model, config, dynamic_dims, pad_values)
+        self.model = model
+        # A plain attribute, not a submodule: torch.compile's wrapper holds `model`
+        # again, and state_dict() would list every weight twice.
+        object.__setattr__(self, "_step", step)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step(*args, **kwargs)
+
+
+class OptimizedFunction(_Optimized):
+    """A function or bound method, optimized. Not an nn.Module, so that
+    `model.forward = graphopt.optimize(model.forward, cfg)` replaces `forward`
+    (an nn.Module assigned there would become a submodule and be ignored)."""
+
+    def __init__(self, fn: Callable, config: GraphOptimizationConfig | None = None,
+                 dynamic_dims: Mapping[str, int | DynamicDims | None] | None = None,
+                 pad_values: Mapping[str, float | int] | None = None):
+        self._step = _Step(fn, config, dynamic_dims, pad_values)
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step(*args, **kwargs)
 
 
 def optimize(model: Callable, config: GraphOptimizationConfig | None = None,
              dynamic_dims: Mapping[str, int | DynamicDims | None] | None = None,
-             pad_values: Mapping[str, float | int] | None = None) -> OptimizedModule:
-    """Wrap `model` (an nn.Module or a function) so each call runs its optimized step.
+             pad_values: Mapping[str, float | int] | None = None) -> OptimizedModule | OptimizedFunction:
+    """Wrap `model` so each call runs its optimized step: an nn.Module gives an
+    `OptimizedModule`, a function or bound method an `OptimizedFunction` (which can
+    replace `model.forward`, the transformers / gpt-fast idiom).
 
     `dynamic_dims` maps argument names to their batch dimension (None: static).
     Without it, and without `DynamicDims` hints on `forward`, dim 0 of every tensor
     argument is dynamic. `pad_values` gives the value padded rows get when a batch
     is padded up to a capture size (default 0).
     """
-    return OptimizedModule(model, config, dynamic_dims, pad_values)
+    if isinstance(model, torch.nn.Module):
+        return OptimizedModule(model, config, dynamic_dims, pad_values)
+    return OptimizedFunction(model, config, dynamic_dims, pad_values)
 
 
 def support_graph_optimization(cls: type) -> type:
@@ -189,11 +204,9 @@ def support_graph_optimization(cls: type) -> type:
                  graph_opt_config: GraphOptimizationConfig | None = None, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
         if graph_opt_config is not None:
-            step = OptimizedModule(self.forward, graph_opt_config)
-            # object.__setattr__: registering the wrapper as a submodule would make the
-            # module contain itself (state_dict, .to() and repr would recurse).
-            object.__setattr__(self, "graph_opt_module", step)
-            object.__setattr__(self, "forward", step)
+            step = OptimizedFunction(self.forward, graph_opt_config)
+            self.graph_opt_module = step
+            self.forward = step
 
     cls.__init__ = __init__
     return cls
@@ -235,17 +248,27 @@ def _resolve_dynamic_dims(forward: Callable, params: list[str],
     return {name: dim for name, dim in declared.items() if dim is not None}
 
 
+def _resized(leaf: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """`leaf` with `size` rows along `dim`: its first rows, repeated when it has fewer."""
+    index = torch.arange(size, device=leaf.device) % leaf.shape[dim]
+    return leaf.index_select(dim, index)
+
+
+def _refuse_ignored_assignment(module: torch.nn.Module, name: str, submodule: Any) -> None:
+    """nn.Module keeps a module assigned to `m.forward` as a submodule, and the
+    class's `forward` keeps running: say so instead of ignoring it."""
+    if isinstance(submodule, OptimizedModule) and callable(getattr(type(module), name, None)):
+        raise TypeError(f"assigning an OptimizedModule to {type(module).__name__}.{name} would be ignored: "
+                        f"nn.Module keeps it as a submodule and {name}() still runs the class's method. "
+                        f"Optimize the method instead: m.{name} = graphopt.optimize(m.{name}, config)")
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_refuse_ignored_assignment)
+
+
 def _check_names(what: str, given: dict[str, Any], params: list[str]) -> dict[str, Any]:
     unknown = [name for name in given if name not in params]
     if unknown:
         raise ValueError(f"{what} names {unknown}, which forward() does not take; "
                          f"its arguments are {params}")
     return given
-
-
-def _on_cpu(model: Callable) -> bool:
-    owner = getattr(model, "__self__", model)  # a decorated module passes its bound forward
-    if isinstance(owner, torch.nn.Module):
-        for tensor in itertools.chain(owner.parameters(), owner.buffers()):
-            return tensor.device.type == "cpu"
-    return True

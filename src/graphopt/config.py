@@ -42,6 +42,7 @@ def tolerance(dtype: torch.dtype) -> tuple[float, float]:
 
 GRAPH_OPT_LEVELS: Final = (0, 1, 2)
 CAPTURE_ERROR_MODES: Final = ("global", "thread_local", "relaxed")
+CUDAGRAPH_MODES: Final = ("none", "piecewise", "full")
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -73,6 +74,11 @@ class GraphOptimizationConfig:
     cudagraph_capture_sizes: list[int] | None = None
     max_num_seqs: int = 256
     cudagraph_num_of_warmups: int = 2
+    # None: "full" where the whole graph can be captured, else "piecewise".
+    cudagraph_mode: str | None = None
+    # ATen ops ("aten.index_put_" or "aten.index_put_.default") a graph is split at
+    # in piecewise mode, besides the ops no device graph can replay.
+    cudagraph_splitting_ops: list[str] = field(default_factory=list)
     capture_error_mode: str = "thread_local"
     # An opaque pool handle shared by every device graph of this config; never serialised.
     graph_pool: object = None
@@ -95,7 +101,9 @@ class GraphOptimizationConfig:
         else:
             self.cudagraph_capture_sizes = _capture_sizes(self.cudagraph_capture_sizes)
         _check_int("cudagraph_num_of_warmups", self.cudagraph_num_of_warmups, minimum=0)
-        _check_capture_error_mode(self.capture_error_mode)
+        _check_choice("cudagraph_mode", self.cudagraph_mode, CUDAGRAPH_MODES, optional=True)
+        self.cudagraph_splitting_ops = _aten_op_names(self.cudagraph_splitting_ops)
+        _check_choice("capture_error_mode", self.capture_error_mode, CAPTURE_ERROR_MODES)
         for key in ("reuse_pool_in_same_graph", "clone_input", "clone_output", "freeze_parameters"):
             _check_bool(key, getattr(self, key))
         self.disabled_passes = _pass_names(self.disabled_passes)
@@ -126,6 +134,7 @@ class GraphOptimizationConfig:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["cudagraph_capture_sizes"] = list(self.cudagraph_capture_sizes or ())
         data["disabled_passes"] = list(self.disabled_passes)
+        data["cudagraph_splitting_ops"] = list(self.cudagraph_splitting_ops)
         return data
 
     def to_json(self) -> str:
@@ -186,12 +195,29 @@ def _check_bool(key: str, value: object) -> None:
         raise TypeError(f"{key} must be a bool (true/false), got {_describe(value)}")
 
 
-def _check_capture_error_mode(value: object) -> None:
-    accepted = "one of " + ", ".join(repr(mode) for mode in CAPTURE_ERROR_MODES)
+def _check_choice(key: str, value: object, choices: tuple[str, ...], optional: bool = False) -> None:
+    accepted = "one of " + ", ".join(repr(c) for c in choices) + (" or null" if optional else "")
+    if optional and value is None:
+        return
     if not isinstance(value, str):
-        raise TypeError(f"capture_error_mode must be {accepted}, got {_describe(value)}")
-    if value not in CAPTURE_ERROR_MODES:
-        raise ValueError(f"capture_error_mode must be {accepted}, got {value!r}")
+        raise TypeError(f"{key} must be {accepted}, got {_describe(value)}")
+    if value not in choices:
+        raise ValueError(f"{key} must be {accepted}, got {value!r}")
+
+
+def _aten_op_names(value: object) -> list[str]:
+    accepted = ('cudagraph_splitting_ops must be a list of ATen op names such as "aten.index_put_" '
+                'or "aten.index_put_.default"')
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{accepted}, got {_describe(value)}")
+    for i, name in enumerate(value):
+        if not isinstance(name, str):
+            raise TypeError(f"{accepted}, got {_describe(name)} at index {i}")
+        parts = name.split(".")
+        packet = getattr(torch.ops.aten, parts[1], None) if len(parts) in (2, 3) and parts[0] == "aten" else None
+        if packet is None or (len(parts) == 3 and parts[2] not in packet.overloads()):
+            raise ValueError(f"{accepted}; {name!r} at index {i} is not an ATen op")
+    return list(value)
 
 
 def _capture_sizes(value: object) -> list[int]:

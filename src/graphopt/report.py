@@ -46,14 +46,36 @@ class GraphRecord:
 
 @dataclass
 class CaptureRecord:
-    """One device graph captured for one capture size."""
+    """One device graph captured for one capture size (None: a graph without a batch)."""
 
-    size: int
+    size: int | None
     nbytes: int
     seconds: float
+    piece: str = ""  # which graph (and piece) it belongs to
 
     def to_dict(self) -> dict[str, Any]:
-        return {"size": self.size, "bytes": self.nbytes, "capture_seconds": round(self.seconds, 3)}
+        return {"size": self.size, "bytes": self.nbytes, "capture_seconds": round(self.seconds, 3),
+                "piece": self.piece}
+
+
+@dataclass
+class PieceRecord:
+    """One piece of a graph the runtime runs: captured in device graphs, or run
+    between replays (`split_reason` says why the graph was split there)."""
+
+    graph: int
+    index: int
+    split_reason: str | None = None   # None: a captured piece
+    captures: int = 0
+    replays: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"graph {self.graph}" + (f" piece {self.index}" if self.index or self.split_reason else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"graph": self.graph, "index": self.index, "captured": self.split_reason is None,
+                "split_reason": self.split_reason, "captures": self.captures, "replays": self.replays}
 
 
 @dataclass
@@ -83,9 +105,11 @@ class Report:
     fallbacks: Counter = field(default_factory=Counter)
     capture_sizes: list[int] = field(default_factory=list)
     captures: list[CaptureRecord] = field(default_factory=list)
-    pool_bytes: int = 0
+    pieces: list[list[PieceRecord]] = field(default_factory=list)   # per runtime graph, its pieces
+    pools: dict[int, int] = field(default_factory=dict)              # bytes of each graph pool
     recaptures: int = 0
     replays: int = 0
+    recompiles: int = 0       # graphs Dynamo compiled again after a guard failed
     memory: list[MemoryRecord] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -95,6 +119,18 @@ class Report:
             if reason not in self.fallbacks:
                 log.warning("graphopt fallback: %s", reason)
             self.fallbacks[reason] += 1
+
+    def piece(self, graph: int, split_reason: str | None) -> PieceRecord:
+        """A new piece of runtime graph `graph` (graphs are numbered as they come)."""
+        while len(self.pieces) <= graph:
+            self.pieces.append([])
+        record = PieceRecord(graph, len(self.pieces[graph]), split_reason)
+        self.pieces[graph].append(record)
+        return record
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(self.pools.values())
 
     @property
     def compile_seconds(self) -> float:
@@ -109,9 +145,11 @@ class Report:
             "fallbacks": dict(self.fallbacks),
             "capture_sizes": list(self.capture_sizes),
             "captures": [c.to_dict() for c in self.captures],
+            "pieces": [[p.to_dict() for p in graph] for graph in self.pieces],
             "pool_bytes": self.pool_bytes,
             "recaptures": self.recaptures,
             "replays": self.replays,
+            "recompiles": self.recompiles,
             "memory": [m.to_dict() for m in self.memory],
         }
 
@@ -131,11 +169,14 @@ class Report:
                          f"{m.buffers} buffers, naive {m.naive_bytes / 1024:.1f} KiB, planned "
                          f"{m.planned_bytes / 1024:.1f} KiB, largest {m.largest_buffer_bytes / 1024:.1f} KiB"
                          for m in self.memory if m.graph == g.index)
-        if self.captures:
+        if self.captures or self.pieces:
             sizes = ", ".join(str(c.size) for c in self.captures)
-            lines.append(f"  device graphs: {len(self.captures)} captured (sizes {sizes}), pool "
+            lines.append(f"  device graphs: {len(self.captures)} captured (sizes {sizes or '-'}), pool "
                          f"{self.pool_bytes / 2**20:.2f} MiB, {self.replays} replays, "
-                         f"{self.recaptures} recaptures")
+                         f"{self.recaptures} recaptures, {self.recompiles} recompiles")
+            for piece in (p for graph in self.pieces for p in graph if len(graph) > 1):
+                how = "captured" if piece.split_reason is None else f"runs between replays: {piece.split_reason}"
+                lines.append(f"    {piece.name}: {how} ({piece.captures} captures, {piece.replays} replays)")
         if self.fallbacks:
             lines.append("  fallbacks:")
             lines.extend(f"    {n} x {reason}" for reason, n in self.fallbacks.items())

@@ -1,1 +1,1 @@
-"""The device-graph runtime: host and CUDA graphs, capture safety, and the GraphRunner."""
+"""The device-graph runtime: what the backend wraps each compiled graph in (GraphRunner), the device graphs it replays (host and CUDA), piecewise splitting and capture safety."""

@@ -1,12 +1,31 @@
-"""The CUDA backend of DeviceGraph: `torch.cuda.CUDAGraph`, captured on a side stream."""
+"""The CUDA backend of DeviceGraph: `torch.cuda.CUDAGraph`, captured the way
+`torch.cuda.graph` does it: on one capture stream per device, the stream the
+warm-ups ran on, so cuBLAS/cuDNN state exists before capture begins."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+import functools
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from .safety import CaptureGuard
+
+
+@functools.cache
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    # The legacy default stream cannot be captured; every graph of a device shares this one.
+    return torch.cuda.Stream(device)
+
+
+@contextlib.contextmanager
+def on_capture_stream(device: torch.device) -> Iterator[torch.cuda.Stream]:
+    stream = capture_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        yield stream
+    torch.cuda.current_stream(device).wait_stream(stream)
 
 
 class CudaGraph:
@@ -15,31 +34,41 @@ class CudaGraph:
         self.mode = mode
         self.pool = pool
         self.graph = torch.cuda.CUDAGraph()
-        # Capture may not run on the default stream: the legacy stream cannot be captured.
-        self.stream = torch.cuda.Stream(device)
         self.nbytes = 0
-        self._context: list[Any] = []
+        self._context: contextlib.ExitStack | None = None
 
     def capture_begin(self) -> None:
         torch.cuda.synchronize(self.device)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        stream = torch.cuda.stream(self.stream)
-        guard = CaptureGuard()
-        stream.__enter__()
-        guard.__enter__()
-        self._context = [guard, stream]
+        context = contextlib.ExitStack()
+        context.enter_context(on_capture_stream(self.device))
+        context.enter_context(CaptureGuard())
+        self._context = context
         self._allocated = torch.cuda.memory_allocated(self.device)
-        self.graph.capture_begin(pool=self.pool, capture_error_mode=self.mode)
+        try:
+            self.graph.capture_begin(pool=self.pool, capture_error_mode=self.mode)
+        except BaseException:
+            self._close()
+            raise
 
     def capture_end(self, outputs: Sequence[torch.Tensor] | None = None) -> None:
         try:
             self.graph.capture_end()
         finally:
-            for context in self._context:
-                context.__exit__(None, None, None)
-            self._context = []
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self._close()
         self.nbytes = max(torch.cuda.memory_allocated(self.device) - self._allocated, 0)
+
+    def abort(self) -> None:
+        """End a capture whose step raised, and leave the device usable."""
+        if self._context is not None:
+            with contextlib.suppress(RuntimeError):  # the capture may already be invalidated
+                self.graph.capture_end()
+            self._close()
+        self.reset()
+
+    def _close(self) -> None:
+        if self._context is not None:
+            context, self._context = self._context, None
+            context.close()
 
     def replay(self) -> None:
         self.graph.replay()

@@ -10,11 +10,11 @@ padding: that is the GraphRunner's job.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
-CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+from ..config import CAPTURE_ERROR_MODES
 
 
 def default_place() -> torch.device:
@@ -29,6 +29,19 @@ def graph_pool_handle(place: torch.device | str | None = None) -> Any:
     from .host_graph import HostPool
 
     return HostPool()
+
+
+@contextlib.contextmanager
+def warmup_stream(device: torch.device) -> Iterator[None]:
+    """Where warm-ups run: on CUDA the capture stream, so the library state and
+    the caching allocator's blocks a capture will meet already exist there."""
+    if device.type != "cuda":
+        yield
+        return
+    from .cuda_graph import on_capture_stream
+
+    with on_capture_stream(device):
+        yield
 
 
 class DeviceGraph:
@@ -65,10 +78,7 @@ class DeviceGraph:
 
     def abort(self) -> None:
         """End a capture whose step raised, and free what it recorded."""
-        if self.device.type == "cuda":
-            with contextlib.suppress(RuntimeError):  # the capture may already be invalidated
-                self._graph.capture_end()
-        self._graph.reset()
+        self._graph.abort()
 
     @property
     def executes_during_capture(self) -> bool:

@@ -173,6 +173,10 @@ class HostGraph:
             self.pool._graphs.discard(self)
             self.pool._fit()
 
+    def abort(self) -> None:
+        """End a capture whose step raised: the same as reset()."""
+        self.reset()
+
     def _stop(self, caller: str) -> _Recorder:
         if self._modes is None:
             raise RuntimeError(f"HostGraph.{caller}(): no capture in progress; call capture_begin() first")

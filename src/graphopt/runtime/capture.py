@@ -1,0 +1,172 @@
+"""CapturedGraph: capture and replay of one compiled callable, one device graph per key.
+
+It owns no buffers and does no padding (the GraphRunner above it does): it is
+called with the arguments the graph should read, and the key (the capture size
+and any other symbol's value) comes from the GraphRunner through `running_at()`.
+Without a key it just runs the callable, which is how the runner's first call
+and its fallbacks run.
+
+Per key: `cudagraph_num_of_warmups` warm-up runs (at least one), then the call
+that captures, then replays. At replay, an argument whose address changed since
+capture is copied into the captured one, unless it is a static argument
+(parameter, buffer, mutated input): then the graph is captured again, since the
+graph must read and write the caller's tensor itself. The first run (any key)
+checks the callable for ops a device graph cannot replay; one found refuses
+capture for good, with the op and the user's line in the report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from ..config import GraphOptimizationConfig
+from ..report import CaptureRecord, PieceRecord, Report
+from .device_graph import DeviceGraph, graph_pool_handle, warmup_stream
+from .safety import CaptureGuard
+
+_key: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("graphopt_graph_key", default=None)
+
+
+@contextlib.contextmanager
+def running_at(key: tuple) -> Iterator[None]:
+    """Run the captured graphs called inside at `key`: (capture size, other symbols)."""
+    token = _key.set(key)
+    try:
+        yield
+    finally:
+        _key.reset(token)
+
+
+class Pool:
+    """The graph pool of one GraphRunner (mode 2), or the user's (mode 1), or none
+    (each graph its own, `reuse_pool_in_same_graph=False`)."""
+
+    def __init__(self, config: GraphOptimizationConfig):
+        self.handle = config.graph_pool
+        self.shared = config.graph_pool is not None or config.reuse_pool_in_same_graph
+
+    def get(self, device: torch.device) -> Any:
+        if not self.shared:
+            return None
+        if self.handle is None:
+            self.handle = graph_pool_handle(device)
+        return self.handle
+
+
+@dataclass
+class _Entry:
+    warmups_left: int
+    graph: DeviceGraph | None = None
+    inputs: list[Any] = field(default_factory=list)   # what the capture read
+    outputs: Any = None                               # what every replay writes
+
+
+class CapturedGraph:
+    def __init__(self, fn: Callable, record: PieceRecord, config: GraphOptimizationConfig, report: Report,
+                 pool: Pool, static: list[bool] | None = None):
+        """`static[i]`: argument i must be the captured tensor itself, else the
+        graph is captured again (None: the GraphRunner sets it once it knows)."""
+        self.fn = fn
+        self.static = static
+        self.record = record
+        self.name = record.name
+        self.config = config
+        self.report = report
+        self.pool = pool
+        self.warmups = max(config.cudagraph_num_of_warmups, 1)
+        self.entries: dict[tuple, _Entry] = {}
+        self.checked = False
+        self.refused: str | None = None
+        self.owns_outputs = False  # the last call's outputs live in a device graph's memory
+
+    def __call__(self, *args: Any) -> Any:
+        key = _key.get()
+        self.owns_outputs = False
+        if key is None or self.refused is not None:
+            return self.fn(*args)
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = _Entry(self.warmups)
+        if entry.graph is not None and self._moved(entry, args):
+            entry.graph.reset()
+            self.entries[key] = entry = _Entry(self.warmups)
+            self.report.recaptures += 1
+        if entry.graph is not None:
+            for captured, value in zip(entry.inputs, args):
+                if isinstance(value, torch.Tensor) and value.data_ptr() != captured.data_ptr():
+                    captured.copy_(value)
+            entry.graph.replay()
+            self.report.replays += 1
+            self.record.replays += 1
+            self.owns_outputs = True
+            return entry.outputs
+        if not self.checked:
+            return self._first_run(key, args)
+        if entry.warmups_left > 0:
+            entry.warmups_left -= 1
+            with warmup_stream(_device(args)):
+                return self.fn(*args)
+        return self._capture(key, entry, args)
+
+    def _first_run(self, key: tuple, args: tuple) -> Any:
+        """A warm-up that also finds, before any capture starts, what a device graph could not replay."""
+        guard = CaptureGuard(collect=True)
+        with warmup_stream(_device(args)), guard:
+            outputs = self.fn(*args)
+        self.checked = True
+        self.entries[key].warmups_left -= 1
+        if guard.problems:
+            first = guard.problems[0]
+            self.refused = f"{first.op} at {first.location}: {first.message}"
+            self.report.fallback(f"use_cudagraph: capture of {self.name} refused: {self.refused}")
+        return outputs
+
+    def _capture(self, key: tuple, entry: _Entry, args: tuple) -> Any:
+        start = time.perf_counter()
+        device = _device(args)
+        graph = DeviceGraph(device, self.config.capture_error_mode, self.pool.get(device))
+        graph.capture_begin()
+        try:
+            outputs = self.fn(*args)
+        except BaseException:
+            graph.abort()
+            raise
+        graph.capture_end([t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)])
+        if not graph.executes_during_capture:
+            graph.replay()  # a CUDA capture records without running
+        entry.graph, entry.inputs, entry.outputs = graph, list(args), outputs
+        self.owns_outputs = True
+        self.record.captures += 1
+        self.report.captures.append(CaptureRecord(key[0], graph.nbytes, time.perf_counter() - start, self.name))
+        self.report.pools[id(self.pool.handle) if self.pool.shared else id(graph)] = \
+            self._pool_bytes() if self.pool.shared else graph.nbytes
+        return outputs
+
+    def _moved(self, entry: _Entry, args: tuple) -> bool:
+        """A static argument (parameter, buffer, mutated input) is not the captured tensor."""
+        return any(static and isinstance(value, torch.Tensor) and value.data_ptr() != captured.data_ptr()
+                   for static, captured, value in zip(self.static, entry.inputs, args))
+
+    def _pool_bytes(self) -> int:
+        """A shared pool's size: a host pool knows its arena's; a CUDA pool is
+        estimated as its largest graph's (graphs of one pool reuse its memory)."""
+        if isinstance(getattr(self.pool.handle, "nbytes", None), int):
+            return self.pool.handle.nbytes
+        return max((e.graph.nbytes for e in self.entries.values() if e.graph is not None), default=0)
+
+    def reset(self) -> None:
+        for entry in self.entries.values():
+            if entry.graph is not None:
+                entry.graph.reset()
+        self.entries.clear()
+
+
+def _device(args: tuple) -> torch.device:
+    return next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))

@@ -1,0 +1,44 @@
+"""The dispatcher: the one place that decides how a call runs, from its batch size.
+
+    batch -> Dispatch(mode, size, reason)
+
+`mode` is "graph" (run at capture size `size`, padding the batch up to it) or
+"none" (run the compiled graph directly, `reason` says why). A pure function of
+the batch: no tensors, no state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    mode: str                 # "graph" | "none"
+    size: int | None = None   # the capture size (None: a graph without a batch symbol)
+    reason: str | None = None  # why "none", when it is worth a fallback record
+
+
+class Dispatcher:
+    """Capture sizes and whether padding is legal decide every call.
+
+    With padding, a batch runs at the smallest capture size >= it. Without
+    (a static input or an output is tied to the exact batch), it runs at exactly
+    its own size, as long as that is within the largest capture size.
+    """
+
+    def __init__(self, capture_sizes: list[int], padding: bool):
+        self.sizes = sorted(capture_sizes)
+        self.padding = padding
+
+    def __call__(self, batch: int | None) -> Dispatch:
+        if batch is None:
+            return Dispatch("graph")
+        if batch == 0:
+            return Dispatch("none")  # nothing to replay: the compiled code handles (or rejects) it as eager does
+        if batch > self.sizes[-1]:
+            return Dispatch("none", reason=f"batch size {batch} is above the largest capture size "
+                                           f"{self.sizes[-1]}; running without a device graph")
+        if not self.padding:
+            return Dispatch("graph", batch)
+        return Dispatch("graph", next(s for s in self.sizes if s >= batch))

@@ -1,0 +1,157 @@
+"""What the runtime knows of one compiled graph's inputs and outputs, read from
+the graph Dynamo traced (its placeholders' sources and symbolic sizes).
+
+    inputs:  static (parameter, buffer, marked static) | user | SymInt
+    batch:   the symbol of the batch dim, e.g. s0 in input_ids: [s0, 1]
+    outputs: which dim of each output is s0 (logits: [s0, 1, vocab] -> dim 0)
+
+Padding a batch up to a capture size is legal only when every place the batch
+symbol appears is a plain batch dim the runtime can pad and slice: a user
+input's dim, a SymInt input equal to it, an output's dim. A static input sized
+by the batch (transformers' StaticCache), an output of size 2*s0 or a SymInt
+output tied to it make the graph run at exact sizes instead; `exact_reason`
+says which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.fx
+
+from .. import _compat
+
+
+@dataclass
+class Signature:
+    kinds: list[str]                       # per input: "static", "input" or "symint"
+    batch_dims: list[int | None]           # per input: its dim that is the batch symbol
+    pads: list[float | int]                # per input: the value padded rows get
+    batch_symints: list[int]               # SymInt inputs that are the batch symbol
+    key_symints: list[int]                 # SymInt inputs of other symbols: part of the graph key
+    out_dims: list[int | None]             # per output: its dim that is the batch symbol
+    exact_reason: str | None = None        # why padding is illegal, or None
+    static_batch: int | None = None        # a graph without a batch symbol: its fixed batch size
+
+    @property
+    def copied(self) -> list[int]:
+        """User inputs: copied into static buffers."""
+        return [i for i, kind in enumerate(self.kinds) if kind == "input"]
+
+    @property
+    def static(self) -> list[bool]:
+        """Inputs a device graph must read and write in place: a different tensor means a new capture."""
+        return [kind in ("static", "mutated") for kind in self.kinds]
+
+    @property
+    def has_batch(self) -> bool:
+        return bool(self.batch_symints) or any(d is not None for d in self.batch_dims)
+
+    def batch_of(self, args: Sequence[Any]) -> int | None:
+        """This call's batch size: the batch symbol's value."""
+        if self.batch_symints:
+            return int(args[self.batch_symints[0]])
+        for i, dim in enumerate(self.batch_dims):
+            if dim is not None:
+                return args[i].shape[dim]
+        return None
+
+    def key_of(self, args: Sequence[Any]) -> tuple:
+        return tuple(int(args[i]) for i in self.key_symints)
+
+
+def signature_of(gm: torch.fx.GraphModule, dynamic_dims: Mapping[str, int] | None,
+                 pad_values: Mapping[str, float | int], written: list[bool]) -> Signature:
+    """Read a Dynamo graph's signature. `dynamic_dims` ({argument: dim}, None for
+    the default dim 0) picks the batch symbol; `pad_values` gives padded rows'
+    values; `written[i]` says the graph writes input i in place (it is then used
+    in place: a "mutated" input)."""
+    inputs = _compat.graph_inputs(gm)
+    batch = _batch_symbol(inputs, dynamic_dims)
+    kinds = ["mutated" if w and kind == "input" else kind for (kind, _, _), w in zip(inputs, written)]
+    pads = [pad_values.get(name, 0) if name else 0 for _, name, _ in inputs]
+    batch_dims: list[int | None] = []
+    batch_symints, key_symints, problems = [], [], []
+    for i, (kind, name, example) in enumerate(inputs):
+        where = f"input {name or i}"
+        if kind == "symint":
+            expr = _compat.symbol_of(example)
+            batch_dims.append(None)
+            if batch is not None and expr == batch:
+                batch_symints.append(i)
+            elif batch is not None and expr is not None and batch in expr.free_symbols:
+                problems.append(f"{where} is a size computed from the batch ({expr})")
+            elif expr is not None:
+                key_symints.append(i)
+            continue
+        dim = _batch_dim(example, batch, where, problems) if isinstance(example, torch.Tensor) else None
+        if dim is not None and kinds[i] == "static":
+            problems.append(f"{where} is a static input (parameter, buffer or marked static) sized by the batch")
+        if dim is not None and kinds[i] == "mutated":
+            problems.append(f"{where} is written in place by the graph and sized by the batch "
+                            "(a KV cache per sequence)")
+        batch_dims.append(dim)
+    out_dims = []
+    for i, value in enumerate(_output_values(gm)):
+        where = f"output {i}"
+        if isinstance(value, torch.Tensor):
+            out_dims.append(_batch_dim(value, batch, where, problems))
+            continue
+        out_dims.append(None)
+        expr = _compat.symbol_of(value)
+        if batch is not None and expr is not None and batch in expr.free_symbols:
+            problems.append(f"{where} is a size computed from the batch ({expr})")
+    return Signature(kinds, batch_dims, pads, batch_symints, key_symints, out_dims,
+                     exact_reason=problems[0] if problems else None,
+                     static_batch=None if batch is not None else _static_batch(inputs, dynamic_dims))
+
+
+def _batch_dims(inputs: list, dynamic_dims: Mapping[str, int] | None) -> list[tuple[int, Any]]:
+    """(dynamic dim, example) of every user input that has one: dim 0 by default."""
+    found = []
+    for kind, name, example in inputs:
+        if kind != "input" or not isinstance(example, torch.Tensor) or example.dim() == 0:
+            continue
+        if dynamic_dims is None:
+            found.append((0, example))
+        elif name in dynamic_dims and -example.dim() <= dynamic_dims[name] < example.dim():
+            found.append((dynamic_dims[name], example))
+    return found
+
+
+def _batch_symbol(inputs: list, dynamic_dims: Mapping[str, int] | None) -> Any:
+    """The batch symbol: the size of the dynamic dim of the first user input whose one is symbolic."""
+    for dim, example in _batch_dims(inputs, dynamic_dims):
+        expr = _compat.symbol_of(example.shape[dim])
+        if expr is not None and expr.is_Symbol:
+            return expr
+    return None
+
+
+def _static_batch(inputs: list, dynamic_dims: Mapping[str, int] | None) -> int | None:
+    """A graph Dynamo specialised to one batch size (size 1 always is): that size."""
+    for dim, example in _batch_dims(inputs, dynamic_dims):
+        return int(example.shape[dim])
+    return None
+
+
+def _batch_dim(value: torch.Tensor, batch: Any, where: str, problems: list[str]) -> int | None:
+    if batch is None:
+        return None
+    dims = [d for d, size in enumerate(value.shape) if _compat.symbol_of(size) == batch]
+    tied = [d for d, size in enumerate(value.shape) if d not in dims and
+            (expr := _compat.symbol_of(size)) is not None and batch in expr.free_symbols]
+    if len(dims) > 1 or tied:
+        problems.append(f"{where} of shape {tuple(value.shape)} depends on the batch in a way "
+                        "padding and slicing rows cannot undo")
+        return None
+    return dims[0] if dims else None
+
+
+def _output_values(gm: torch.fx.GraphModule) -> list[Any]:
+    (outputs,) = gm.graph.output_node().args
+    outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    return [o.meta.get("example_value", o.meta.get("val")) if isinstance(o, torch.fx.Node) else o
+            for o in outputs]

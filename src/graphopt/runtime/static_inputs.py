@@ -1,0 +1,82 @@
+"""Static input buffers: where a device graph reads its user inputs from.
+
+A user input with a batch dim gets one buffer, allocated at the largest capture
+size and sliced to each size it runs at (nano-vllm's `capture_cudagraph`), so
+every capture size reads from the same memory. A call copies its rows in and
+fills the padded rows with the input's pad value. Inputs without a batch dim get
+one buffer of their own shape. Static inputs (parameters, buffers, inputs marked
+static, mutated inputs) and SymInts are never copied: they are passed through.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .signature import Signature
+
+
+class StaticInputs:
+    def __init__(self, signature: Signature, largest: int, clone_input: bool):
+        self.signature = signature
+        self.largest = largest
+        self.clone_input = clone_input
+        self.buffers: dict[tuple[int, int | None], torch.Tensor] = {}
+
+    def fill(self, args: list[Any], batch: int | None, size: int | None) -> list[Any]:
+        """The arguments for running at `size`: user inputs copied (and padded) into
+        their buffers, the batch SymInt set to `size`, everything else as given."""
+        sig = self.signature
+        out = list(args)
+        for i in sig.copied:
+            value, dim = args[i], sig.batch_dims[i]
+            if dim is None:
+                if not self.clone_input:
+                    continue  # the device graph copies it only when it is not the captured tensor
+                buffer = self._buffer(i, value, None)
+                if buffer.data_ptr() != value.data_ptr():
+                    buffer.copy_(value)
+                out[i] = buffer
+                continue
+            buffer = self._buffer(i, value, size)
+            if buffer.data_ptr() != value.data_ptr():
+                buffer.narrow(dim, 0, batch).copy_(value)
+            if batch < size:
+                buffer.narrow(dim, batch, size - batch).fill_(sig.pads[i])
+            out[i] = buffer
+        for i in sig.batch_symints:
+            out[i] = size
+        return out
+
+    def _buffer(self, i: int, value: torch.Tensor, size: int | None) -> torch.Tensor:
+        dim = self.signature.batch_dims[i]
+        outermost = dim is not None and _outermost(value, dim)
+        key = (i, None if dim is None else (self.largest if outermost else size))
+        buffer = self.buffers.get(key)
+        if buffer is None:
+            shape = list(value.shape)
+            if dim is not None:
+                shape[dim] = key[1]
+            buffer = self.buffers[key] = _empty_like(value, shape)
+        if dim is not None and outermost:
+            return buffer.narrow(dim, 0, size)
+        return buffer
+
+
+def _outermost(value: torch.Tensor, dim: int) -> bool:
+    """Whether `dim` is the slowest-moving dim of `value`: then a slice of its
+    first rows is dense and has the strides a tensor of that many rows would have."""
+    return all(value.stride(dim) >= value.stride(d) for d in range(value.dim()) if value.shape[d] > 1)
+
+
+def _empty_like(value: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """An empty tensor of `shape` with `value`'s dtype, device and dim order: the
+    compiled graph was traced with inputs of that layout."""
+    order = sorted(range(value.dim()), key=lambda d: value.stride(d), reverse=True)
+    strides = [0] * value.dim()
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return torch.empty_strided(shape, strides, dtype=value.dtype, device=value.device)
