@@ -115,10 +115,14 @@ class Backend:
         captured = []
 
         def compile_piece(name: str, piece: torch.fx.GraphModule, fakes: list) -> Callable | None:
+            inputs = [n.name for n in piece.graph.nodes if n.op == "placeholder"]
+            # A number an earlier piece computes (`.item()`) changes every call: a capture would freeze it.
+            numbers = [n for n, fake in zip(inputs, fakes) if not isinstance(fake, torch.Tensor) and n not in real]
+            if numbers and name not in unsafe_pieces:
+                unsafe_pieces[name] = f"it reads {numbers[0]}, a number computed at run time by an earlier piece"
             record = self._report.piece(graph_index, unsafe_pieces.get(name))
             if name in unsafe_pieces:
                 return None
-            inputs = [n.name for n in piece.graph.nodes if n.op == "placeholder"]
             # Top-level inputs are real (freezing and verify need values); intermediates stay fake.
             examples = [real.get(n, fake) for n, fake in zip(inputs, fakes)]
             # The graph's own inputs sit at fixed addresses; intermediates from eager pieces are copied in.

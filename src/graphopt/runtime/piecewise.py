@@ -10,6 +10,7 @@ the fake values the graph has at their inputs (vLLM's piecewise compile).
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Sequence
 
 import torch
@@ -35,4 +36,42 @@ def split(gm: torch.fx.GraphModule, nodes: dict[torch.fx.Node, str]) -> tuple[to
         else:
             partition[node] = piece
     split_gm = split_module(gm, gm, lambda node: partition[node], keep_original_order=True)
+    _tuple_outputs(split_gm)
     return split_gm, unsafe
+
+
+def _tuple_outputs(split_gm: torch.fx.GraphModule) -> None:
+    """Make every piece return a tuple (AOTAutograd compiles only those): a piece
+    returning one value returns `(value,)`, and its caller takes item 0."""
+    for call in list(split_gm.graph.nodes):
+        if call.op != "call_module":
+            continue
+        piece = getattr(split_gm, call.target)
+        output = piece.graph.output_node()
+        if isinstance(output.args[0], (tuple, list)):
+            continue
+        output.args = ((output.args[0],),)
+        piece.recompile()
+        with split_gm.graph.inserting_after(call):
+            item = split_gm.graph.call_function(operator.getitem, (call, 0))
+        call.replace_all_uses_with(item, delete_user_cb=lambda user: user is not item)
+    split_gm.recompile()
+
+
+def compile_pieces(split_gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                   compile_piece: Callable[[str, torch.fx.GraphModule, list], Callable | None]) -> None:
+    """Run `split_gm` on fake values, calling `compile_piece(name, piece, fake
+    inputs)` for each piece in order; a callable it returns replaces the piece."""
+
+    class _Compiler(torch.fx.Interpreter):
+        def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
+            piece = self.fetch_attr(target)
+            output = piece(*args, **kwargs)  # before compiling: AOTAutograd may change the piece's graph
+            replacement = compile_piece(target, piece, list(args))
+            if replacement is not None:
+                split_gm.__dict__[target] = replacement  # found before the submodule of that name
+            return output
+
+    fake_mode, fakes = _compat.backend_fakes(example_inputs)
+    with fake_mode:
+        _Compiler(split_gm).run(*fakes)
