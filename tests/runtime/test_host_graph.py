@@ -272,3 +272,20 @@ def test_misuse_is_reported():
         graph.replay()
     graph.capture_end([])
     assert graph.nbytes == 0
+
+
+def test_a_graph_reading_another_graphs_output_in_the_same_pool_is_placed_after_it():
+    """The pieces of a split graph share a pool: the second reads the first's
+    output from the arena, so its own memory must not overlap that output."""
+    pool = HostPool()
+    x = torch.randn(4, 8)
+    first, (h,) = capture(lambda a: ((a * 2).relu(),), x, pool=pool)
+    second, (y,) = capture(lambda a: ((a + 1) * (a - 1),), h, pool=pool)
+    for _ in range(3):
+        x.copy_(torch.randn(4, 8))
+        first.replay()
+        second.replay()
+        expected = (x * 2).relu()
+        torch.testing.assert_close(h, expected)
+        torch.testing.assert_close(y, (expected + 1) * (expected - 1))
+    assert pool.nbytes >= first.nbytes + 4 * 8 * 4

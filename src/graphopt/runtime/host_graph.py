@@ -19,8 +19,9 @@ Replays run under `torch.inference_mode()`: a host graph records no autograd his
 Memory. At `capture_end` every allocation made during capture (intermediates and
 outputs; never tensors that existed before, such as static inputs, parameters or a
 KV cache) moves into its `HostPool`'s arena with `Tensor.set_`, a base and its views
-together, so the tape and the caller's references see the new memory. Offsets are
-planned by lifetime (from the op that creates an allocation to the last op that
+together, so the tape and the caller's references see the new memory. A graph
+that reads another graph's outputs from the same arena (the next piece of a split
+graph) is placed after them. Offsets are planned by lifetime (from the op that creates an allocation to the last op that
 touches it; `outputs` live to the end) with the planner the passes use
 (`graphopt.passes.memory_plan.plan_offsets`: greedy by size), 64-byte aligned. Graphs of
 one pool share one arena sized to the largest need, so replaying one overwrites the
@@ -47,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -141,7 +143,7 @@ class HostGraph:
         try:
             with torch.inference_mode():
                 allocations, fresh = _analyse(recorder.records, escaping)
-                self._nbytes = _place(allocations)
+                self._nbytes = _place(allocations, _arena_bytes_read(recorder.records, self.pool._storage))
                 self.pool._graphs.add(self)
                 self.pool._fit()
                 self._placed = _move(allocations, self.pool._storage)
@@ -276,13 +278,27 @@ def _analyse(records: list, escaping: list[torch.Tensor] | None) -> tuple[list[_
     return list(made.values()), fresh
 
 
-def _place(allocations: list[_Allocation]) -> int:
+def _arena_bytes_read(records: list, arena: torch.UntypedStorage) -> int:
+    """Where the pool's arena stops holding what this graph reads: the end of the
+    furthest byte of any input that lives on the arena (the output of another
+    graph of the pool that this one consumes, e.g. the piece before it)."""
+    arena_ref, end = StorageWeakRef(arena), 0
+    for _, args, kwargs, _ in records:
+        for t in _tensors((args, kwargs)):
+            if t.layout == torch.strided and StorageWeakRef(t.untyped_storage()) == arena_ref and t.numel():
+                last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+                end = max(end, (last + 1) * t.element_size())
+    return -(-end // _ALIGN) * _ALIGN
+
+
+def _place(allocations: list[_Allocation], base: int) -> int:
     """Offsets by lifetime and size, planned as the graph passes plan theirs
-    (`memory_plan.plan_offsets`). Returns the arena bytes needed."""
+    (`memory_plan.plan_offsets`), from `base` on, so nothing this graph reads from
+    the arena is overwritten while it runs. Returns the arena bytes needed."""
     plan = plan_offsets([(a.first, a.last, a.storage.nbytes()) for a in allocations], _ALIGN)
     for a, offset in zip(allocations, plan.offsets):
-        a.offset = offset
-    return plan.nbytes
+        a.offset = base + offset
+    return base + plan.nbytes
 
 
 def _move(allocations: list[_Allocation], arena: torch.UntypedStorage) -> list[torch.Tensor]:
