@@ -253,3 +253,33 @@ def test_refresh_recomputes_folded_weights(device_graphs):
         torch.testing.assert_close(opt(x), before)
         assert opt.refresh() >= 1
         torch.testing.assert_close(opt(x), model(x), atol=ATOL, rtol=RTOL)
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.scale = 2.0
+
+    def forward(self, x):
+        return self.linear(x) * self.scale
+
+
+def test_optimized_bound_method_replaces_forward():
+    """The transformers / gpt-fast idiom: `m.forward = optimize(m.forward, cfg)`."""
+    torch.manual_seed(0)
+    model = Scaled().eval()
+    x = torch.randn(3, 8)
+    with torch.inference_mode():
+        expected = model(x)
+        model.forward = graphopt.optimize(model.forward, config())
+        torch.testing.assert_close(model(x), expected, atol=ATOL, rtol=RTOL)
+    assert isinstance(model.forward, graphopt.OptimizedFunction)
+    assert len(model.forward.report().graphs) == 1  # it really ran compiled
+
+
+def test_an_optimized_module_assigned_to_forward_is_an_error():
+    model = Scaled()
+    with pytest.raises(TypeError, match=r"assigning an OptimizedModule to Scaled.forward would be ignored.*"
+                                        r"m.forward = graphopt.optimize\(m.forward, config\)"):
+        model.forward = graphopt.optimize(Scaled(), config())

@@ -6,6 +6,7 @@ import torch._dynamo
 
 import graphopt
 from graphopt.config import tolerance
+from graphopt.models import Decoder, DecoderConfig
 from support import decode_inputs
 
 ATOL, RTOL = tolerance(torch.float32)
@@ -51,3 +52,107 @@ def test_frozen_inputs_are_handed_to_the_passes_only_when_parameters_are_frozen(
     assert len(handed) == len(named)
     assert {id(t) for t in handed.values()} == {id(t) for t in named.values()}
     assert "graphopt_frozen_inputs" not in live.graphs()[0].meta
+
+
+def device_graph_config(level=1, **kw):
+    kw.setdefault("cudagraph_capture_sizes", [2, 4, 8])
+    kw.setdefault("cudagraph_num_of_warmups", 1)
+    return graphopt.GraphOptimizationConfig(graph_opt_level=level, **kw)
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_backend_object_replays_device_graphs(level):
+    torch.manual_seed(0)
+    eager, model = Decoder(DecoderConfig.tiny()).eval(), Decoder(DecoderConfig.tiny()).eval()
+    model.load_state_dict(eager.state_dict())
+    backend = graphopt.Backend(device_graph_config(level), pad_values={"slots": model.scratch_slot})
+    compiled = torch.compile(model, backend=backend)
+    with torch.inference_mode():
+        for position, batch in enumerate([3, 3, 3, 3, 5, 5, 5]):
+            inputs = decode_inputs(batch, position)
+            torch.testing.assert_close(compiled(*inputs), eager(*inputs), atol=ATOL, rtol=RTOL)
+    report = backend.report()
+    # Dynamo compiles the first shape (3) statically, and a graph with a batch
+    # symbol when a second one (5) arrives: 3 is captured as it is, 5 padded to 8.
+    assert [c.size for c in report.captures] == [3, 8]
+    assert report.replays == 3 and not report.fallbacks
+
+
+def test_backend_by_name_with_options_builds_one_backend_for_the_call(decoder):
+    options = {"graph_opt_level": 1, "cudagraph_capture_sizes": [2, 4], "cudagraph_num_of_warmups": 1}
+    compiled = torch.compile(decoder, backend="graphopt", options=options)
+    with torch.inference_mode():
+        for _ in range(4):
+            compiled(*decode_inputs(2))
+    _, backend = graphopt_backends()[id(options)]
+    assert backend.report().replays == 2
+
+
+def graphopt_backends():
+    from graphopt.backend import _backends_by_options
+
+    return _backends_by_options
+
+
+class Guarded(torch.nn.Module):
+    """Python state `forward` reads: an attribute, a flag and a module-level constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.scale = 1.0
+        self.use_relu = False
+
+    def forward(self, x):
+        y = self.linear(x) * self.scale * OFFSET
+        return torch.relu(y) if self.use_relu else y
+
+
+OFFSET = 1.0
+
+
+def test_guards_run_before_every_replay():
+    """A change Dynamo guards on recompiles (and captures anew) instead of replaying a stale graph."""
+    global OFFSET
+    torch.manual_seed(0)
+    model = Guarded().eval()
+    opt = graphopt.optimize(model, device_graph_config())
+    x = torch.randn(3, 8)
+    with torch.inference_mode():
+        for change in (None, ("scale", 3.0), ("use_relu", True), ("OFFSET", -2.0)):
+            if change is not None and change[0] == "OFFSET":
+                OFFSET = change[1]
+            elif change is not None:
+                setattr(model, *change)
+            for _ in range(3):  # a warm-up, the capture, a replay
+                torch.testing.assert_close(opt(x), model(x), atol=ATOL, rtol=RTOL)
+    OFFSET = 1.0
+    assert opt.report().replays == 4 and opt.report().recompiles >= 3
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_an_empty_batch_never_replays(decoder, level):
+    opt = graphopt.optimize(decoder, device_graph_config(level), pad_values={"slots": decoder.scratch_slot})
+    with torch.inference_mode():
+        for _ in range(3):
+            opt(*decode_inputs(2))
+        replays = opt.report().replays
+        empty = tuple(x[:0] for x in decode_inputs(2))
+        with pytest.raises(RuntimeError) as eager_error:
+            decoder(*empty)
+        with pytest.raises(type(eager_error.value)):
+            opt(*empty)
+    assert opt.report().replays == replays
+
+
+def test_dynamo_giving_up_is_counted():
+    model = Guarded().eval()
+    opt = graphopt.optimize(model, graphopt.GraphOptimizationConfig(use_cudagraph=False))
+    name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    x = torch.randn(3, 8)
+    with torch.inference_mode(), torch._dynamo.config.patch(**{name: 1}):
+        for scale in (1.0, 2.0, 3.0):
+            model.scale = scale
+            torch.testing.assert_close(opt(x), model(x), atol=ATOL, rtol=RTOL)
+    (reason,) = [r for r in opt.report().fallbacks if "Dynamo gave up" in r]
+    assert "recompile_limit" in reason
