@@ -96,7 +96,13 @@ class Backend:
         from .runtime.signature import signature_of
 
         graph_index = len(self._report.pieces)
-        findings = fake_run(gm, example_inputs, self.config.cudagraph_splitting_ops)
+        try:
+            findings = fake_run(gm, example_inputs, self.config.cudagraph_splitting_ops)
+        except Exception as error:  # noqa: BLE001 - the graph still runs; only device graphs are lost
+            self._report.fallback(f"use_cudagraph: graph {graph_index} could not be run on fake tensors to "
+                                  f"find its splitting ops and written inputs ({type(error).__name__}: "
+                                  f"{error}); it runs without device graphs")
+            return self._compile(gm, example_inputs, level)
         signature = signature_of(gm, self.dynamic_dims, self.pad_values, findings.written)
         unsafe = findings.splitting_nodes
         pool = Pool(self.config)

@@ -323,3 +323,18 @@ def test_out_of_range_dynamic_dim_is_an_error_with_device_graphs_too():
     opt = graphopt.optimize(two_batch_dims, runner_config(0), dynamic_dims={"x": 1})
     with pytest.raises(ValueError, match=r"dynamic dim 1 of argument 'x' is out of range for its shape \(3,\)"):
         opt(torch.randn(3))
+
+
+def shifted(x, positions):
+    return x * 2 + positions
+
+
+def test_broadcast_inputs_keep_their_layout_in_the_static_buffers():
+    """`positions` arrives expanded (stride 0 along the batch, as transformers builds
+    position ids): its static buffer keeps one row, so the graph reads what it traced."""
+    opt = graphopt.optimize(shifted, runner_config(1, cudagraph_capture_sizes=[2, 4], cudagraph_num_of_warmups=1))
+    for batch in (3, 3, 3, 3, 2, 2, 2):
+        x = torch.randn(batch, 5)
+        positions = (torch.arange(5.0) + batch).expand(batch, 5)
+        torch.testing.assert_close(opt(x, positions), shifted(x, positions))
+    assert [c.size for c in opt.report().captures] == [4, 2] and opt.report().replays == 3

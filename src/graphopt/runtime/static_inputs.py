@@ -4,7 +4,8 @@ A user input with a batch dim gets one buffer, allocated at the largest capture
 size and sliced to each size it runs at (nano-vllm's `capture_cudagraph`), so
 every capture size reads from the same memory. A call copies its rows in and
 fills the padded rows with the input's pad value. Inputs without a batch dim get
-one buffer of their own shape. Static inputs (parameters, buffers, inputs marked
+one buffer of their own shape. A broadcast dim (stride 0, from `expand`) keeps
+stride 0. Static inputs (parameters, buffers, inputs marked
 static, mutated inputs) and SymInts are never copied: they are passed through.
 """
 
@@ -31,37 +32,40 @@ class StaticInputs:
         out = list(args)
         for i in sig.copied:
             value, dim = args[i], sig.batch_dims[i]
-            if dim is None:
-                if not self.clone_input:
-                    continue  # the device graph copies it only when it is not the captured tensor
-                buffer = self._buffer(i, value, None)
-                if buffer.data_ptr() != value.data_ptr():
-                    buffer.copy_(value)
-                out[i] = buffer
-                continue
-            buffer = self._buffer(i, value, size)
-            if buffer.data_ptr() != value.data_ptr():
-                buffer.narrow(dim, 0, batch).copy_(value)
-            if batch < size:
-                buffer.narrow(dim, batch, size - batch).fill_(sig.pads[i])
-            out[i] = buffer
+            if dim is None and not self.clone_input:
+                continue  # the device graph copies it only when it is not the captured tensor
+            # A broadcast dim (stride 0, as from expand) stays one in the buffer: the
+            # compiled graph was traced with that layout, and its rows are one row anyway.
+            broadcast = [d for d in range(value.dim()) if value.stride(d) == 0 and value.shape[d] > 1]
+            rows = dim is not None and dim not in broadcast
+            base = self._buffer(i, value, broadcast, size if rows else None)
+            if base.data_ptr() != value.data_ptr():
+                source = value
+                for d in broadcast:
+                    source = source.narrow(d, 0, 1)
+                (base.narrow(dim, 0, batch) if rows else base).copy_(source)
+            if rows and batch < size:
+                base.narrow(dim, batch, size - batch).fill_(sig.pads[i])
+            shape = list(value.shape)
+            if dim is not None:
+                shape[dim] = size
+            out[i] = base.expand(shape) if broadcast else base
         for i in sig.batch_symints:
             out[i] = size
         return out
 
-    def _buffer(self, i: int, value: torch.Tensor, size: int | None) -> torch.Tensor:
+    def _buffer(self, i: int, value: torch.Tensor, broadcast: list[int], size: int | None) -> torch.Tensor:
+        """Input i's buffer at `size` rows (None: no rows to pad), one row on broadcast dims."""
         dim = self.signature.batch_dims[i]
-        outermost = dim is not None and _outermost(value, dim)
-        key = (i, None if dim is None else (self.largest if outermost else size))
+        shape = [1 if d in broadcast else n for d, n in enumerate(value.shape)]
+        outermost = size is not None and _outermost(value, dim)
+        key = (i, self.largest if outermost else size)
         buffer = self.buffers.get(key)
         if buffer is None:
-            shape = list(value.shape)
-            if dim is not None:
+            if size is not None:
                 shape[dim] = key[1]
             buffer = self.buffers[key] = _empty_like(value, shape)
-        if dim is not None and outermost:
-            return buffer.narrow(dim, 0, size)
-        return buffer
+        return buffer.narrow(dim, 0, size) if outermost else buffer
 
 
 def _outermost(value: torch.Tensor, dim: int) -> bool:
