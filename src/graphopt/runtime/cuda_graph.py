@@ -29,6 +29,8 @@ def on_capture_stream(device: torch.device) -> Iterator[torch.cuda.Stream]:
 
 
 class CudaGraph:
+    executes_during_capture = False  # a stream capture records without running
+
     def __init__(self, device: torch.device, mode: str, pool: Any = None):
         self.device = device
         self.mode = mode

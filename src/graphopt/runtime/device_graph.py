@@ -83,7 +83,7 @@ class DeviceGraph:
     @property
     def executes_during_capture(self) -> bool:
         """A host graph runs the step while recording it; a CUDA graph only records."""
-        return self.device.type == "cpu"
+        return self._graph.executes_during_capture
 
     @property
     def nbytes(self) -> int:

@@ -102,6 +102,8 @@ class HostPool:
 class HostGraph:
     """One captured, replayable step on the CPU (see the module docstring)."""
 
+    executes_during_capture = True  # recording runs the step
+
     def __init__(self, pool: HostPool | None = None):
         if pool is not None and not isinstance(pool, HostPool):
             raise TypeError(f"HostGraph(pool=...) takes a HostPool, got {type(pool).__name__}")
