@@ -9,7 +9,8 @@ from .api import DynamicDims, OptimizedModule, optimize, support_graph_optimizat
 from .backend import graphopt_backend
 from .config import GraphOptimizationConfig
 from .passes.fusion.replacement import fwd_only, register_replacement
-from .passes.manager import PassResult, PassVerificationError
+from .passes.base import PassResult
+from .passes.manager import PassVerificationError
 from .report import Report
 from .runtime.device_graph import DeviceGraph, graph_pool_handle
 from .runtime.safety import CaptureError, CaptureProblem, check

@@ -3,7 +3,7 @@ import torch
 
 import graphopt
 from graphopt.passes import manager
-from graphopt.passes.manager import PassResult
+from graphopt.passes.base import PassResult
 from support import decode_inputs
 
 aten = torch.ops.aten

@@ -6,9 +6,9 @@ import torch
 import graphopt
 from graphopt import _compat
 from graphopt.passes import manager
+from graphopt.passes.base import PassResult
 from graphopt.passes.fusion import fusion_passes
 from graphopt.passes.constant_fold import refresh_folded_constants
-from graphopt.passes.manager import PassResult
 from support import targets
 
 aten = torch.ops.aten

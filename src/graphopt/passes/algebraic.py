@@ -9,8 +9,7 @@ import torch
 import torch.fx
 
 from .. import _compat
-from .cleanup import GraphFacts, is_contiguous, same_layout, value_of
-from .manager import PassResult
+from .base import GraphFacts, PassResult, is_contiguous, same_layout, value_of
 
 aten = torch.ops.aten
 

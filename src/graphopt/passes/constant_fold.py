@@ -17,8 +17,7 @@ import torch.fx
 from torch.utils._pytree import tree_leaves
 
 from .. import _compat
-from .cleanup import GraphFacts, has_effect, is_view
-from .manager import PassResult
+from .base import GraphFacts, PassResult, has_effect, is_view
 
 # Set by the backend with freeze_parameters=True: {placeholder name: real tensor}.
 FROZEN_INPUTS = "graphopt_frozen_inputs"

@@ -27,8 +27,7 @@ import torch.fx
 from torch.utils._pytree import tree_leaves
 
 from .. import _compat
-from .cleanup import GraphFacts, alias_root, has_effect, same_layout, written_roots
-from .manager import PassResult
+from .base import STRIDE_READERS, GraphFacts, PassResult, alias_root, has_effect, same_layout, written_roots
 from .strides import fake_run, same_sizes_and_dtypes, same_strides
 
 aten = torch.ops.aten
@@ -41,9 +40,6 @@ _REGION_OPS = {aten._native_batch_norm_legit_no_training.default, aten.native_ba
                aten.max_pool2d_with_indices.default, aten.avg_pool2d.default,
                aten._adaptive_avg_pool2d.default, aten.cat.default, aten.clone.default,
                aten._to_copy.default, operator.getitem}
-# Ops that read a tensor's strides or storage, not only its values.
-_STRIDE_READERS = {aten.as_strided.default, aten.as_strided_scatter.default, aten.sym_stride.int,
-                   aten.sym_storage_offset.default}
 # Measured (module docstring): below two convolutions per activation conversion, a
 # channels-last region was slower than NCHW at batch 1.
 CONVS_PER_CONVERSION = 2
@@ -220,7 +216,7 @@ def _reads_values_only(node: torch.fx.Node) -> bool:
     if target is operator.getitem:
         return True
     return (isinstance(target, torch._ops.OpOverload) and target.namespace in ("aten", "prims")
-            and target not in _STRIDE_READERS)
+            and target not in STRIDE_READERS)
 
 
 def _joins_region(node: torch.fx.Node, new: Any, old: Any) -> bool:

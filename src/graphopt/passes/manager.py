@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -27,13 +26,7 @@ from torch.utils._pytree import tree_leaves
 from .. import _compat
 from ..config import GraphOptimizationConfig, tolerance
 from ..report import PassRecord, Report
-
-
-@dataclass
-class PassResult:
-    changed: bool
-    counts: dict[str, int] = field(default_factory=dict)
-
+from .base import PassResult
 
 PassFn = Callable[[torch.fx.GraphModule], PassResult]
 

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from .. import _compat
 from ..report import MemoryRecord
-from .manager import PassResult
+from .base import PassResult
 
 # The CPU allocator's alignment (c10's gAlignment), and a cache line on the CPUs we serve.
 ALIGN = 64

@@ -13,8 +13,7 @@ import torch
 import torch.fx
 
 from .._compat import known_true, same_sizes
-from .cleanup import GraphFacts, alias_root, is_contiguous, value_of
-from .manager import PassResult
+from .base import GraphFacts, PassResult, alias_root, is_contiguous, value_of
 
 aten, prims = torch.ops.aten, torch.ops.prims
 

@@ -19,8 +19,7 @@ import torch.fx
 
 from .. import _compat
 from .._compat import known_true, same_shape, same_sizes
-from .cleanup import has_effect, is_contiguous
-from .manager import PassResult
+from .base import PassResult, has_effect, is_contiguous, is_view
 from .memory_plan import Storage, storages
 
 aten = torch.ops.aten
@@ -50,20 +49,13 @@ def inplace_variant(target: object) -> torch._ops.OpOverload | None:
     return overload
 
 
-def _is_view(node: torch.fx.Node) -> bool:
-    target = node.target
-    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
-            and bool(target._schema.returns) and target._schema.returns[0].alias_info is not None
-            and not target._schema.is_mutable)
-
-
 def _readers(value: torch.fx.Node) -> list[torch.fx.Node]:
     """Nodes that read `value`'s memory: its users, and the users of its views."""
     found, todo = [], list(value.users)
     while todo:
         user = todo.pop()
         found.append(user)
-        if _is_view(user):
+        if is_view(user):
             todo.extend(user.users)
     return found
 

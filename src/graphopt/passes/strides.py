@@ -11,12 +11,7 @@ import torch.fx
 from torch.utils._pytree import tree_leaves
 
 from .._compat import known_true, same_sizes
-
-aten = torch.ops.aten
-
-# Ops whose result depends on their input's strides or storage, not only its values.
-_STRIDE_READERS = {aten.as_strided.default, aten.as_strided_scatter.default, aten.sym_stride.int,
-                   aten.sym_storage_offset.default}
+from .base import STRIDE_READERS
 
 
 def restrided(gm: torch.fx.GraphModule, changed: dict[torch.fx.Node, Any],
@@ -32,7 +27,7 @@ def restrided(gm: torch.fx.GraphModule, changed: dict[torch.fx.Node, Any],
             continue
         target = node.target
         # A random op is fine (strides change no draw), a side effect is not.
-        if node.op != "call_function" or node.is_impure(impure_random=False) or target in _STRIDE_READERS \
+        if node.op != "call_function" or node.is_impure(impure_random=False) or target in STRIDE_READERS \
                 or isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
             return None
         new = fake_run(node, vals, fake_mode)

@@ -64,7 +64,7 @@ class Pool:
 class _Entry:
     warmups_left: int
     graph: DeviceGraph | None = None
-    inputs: list[Any] = field(default_factory=list)   # what the capture read
+    inputs: list[tuple] = field(default_factory=list)  # (index, tensor, address, static) the capture read
     outputs: Any = None                               # what every replay writes
 
 
@@ -94,19 +94,16 @@ class CapturedGraph:
         entry = self.entries.get(key)
         if entry is None:
             entry = self.entries[key] = _Entry(self.warmups)
-        if entry.graph is not None and self._moved(entry, args):
+        if entry.graph is not None:
+            if self._bring_inputs(entry, args):
+                entry.graph.replay()
+                self.report.replays += 1
+                self.record.replays += 1
+                self.owns_outputs = True
+                return entry.outputs
             entry.graph.reset()
             self.entries[key] = entry = _Entry(self.warmups)
             self.report.recaptures += 1
-        if entry.graph is not None:
-            for captured, value in zip(entry.inputs, args):
-                if isinstance(value, torch.Tensor) and value.data_ptr() != captured.data_ptr():
-                    captured.copy_(value)
-            entry.graph.replay()
-            self.report.replays += 1
-            self.record.replays += 1
-            self.owns_outputs = True
-            return entry.outputs
         if not self.checked:
             return self._first_run(key, args)
         if entry.warmups_left > 0:
@@ -141,7 +138,8 @@ class CapturedGraph:
         graph.capture_end([t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)])
         if not graph.executes_during_capture:
             graph.replay()  # a CUDA capture records without running
-        entry.graph, entry.inputs, entry.outputs = graph, list(args), outputs
+        entry.graph, entry.outputs = graph, outputs
+        entry.inputs = [(i, a, a.data_ptr(), self.static[i]) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         self.owns_outputs = True
         self.record.captures += 1
         self.report.captures.append(CaptureRecord(key[0], graph.nbytes, time.perf_counter() - start, self.name))
@@ -149,10 +147,17 @@ class CapturedGraph:
             self._pool_bytes() if self.pool.shared else graph.nbytes
         return outputs
 
-    def _moved(self, entry: _Entry, args: tuple) -> bool:
-        """A static argument (parameter, buffer, mutated input) is not the captured tensor."""
-        return any(static and isinstance(value, torch.Tensor) and value.data_ptr() != captured.data_ptr()
-                   for static, captured, value in zip(self.static, entry.inputs, args))
+    def _bring_inputs(self, entry: _Entry, args: tuple) -> bool:
+        """Make the captured inputs hold this call's: copy an argument that is not
+        the captured tensor into it. False when a static argument (parameter, buffer,
+        mutated input) is not the captured tensor: the graph must be captured again."""
+        for i, captured, address, static in entry.inputs:
+            value = args[i]
+            if value.data_ptr() != address:
+                if static:
+                    return False
+                captured.copy_(value)
+        return True
 
     def _pool_bytes(self) -> int:
         """A shared pool's size: a host pool knows its arena's; a CUDA pool is

@@ -24,6 +24,7 @@ class StaticInputs:
         self.largest = largest
         self.clone_input = clone_input
         self.buffers: dict[tuple[int, int | None], torch.Tensor] = {}
+        self.layouts: dict[tuple[int, tuple[int, ...]], tuple[list[int], bool, bool]] = {}
 
     def fill(self, args: list[Any], batch: int | None, size: int | None) -> list[Any]:
         """The arguments for running at `size`: user inputs copied (and padded) into
@@ -34,11 +35,8 @@ class StaticInputs:
             value, dim = args[i], sig.batch_dims[i]
             if dim is None and not self.clone_input:
                 continue  # the device graph copies it only when it is not the captured tensor
-            # A broadcast dim (stride 0, as from expand) stays one in the buffer: the
-            # compiled graph was traced with that layout, and its rows are one row anyway.
-            broadcast = [d for d in range(value.dim()) if value.stride(d) == 0 and value.shape[d] > 1]
-            rows = dim is not None and dim not in broadcast
-            base = self._buffer(i, value, broadcast, size if rows else None)
+            broadcast, rows, outermost = self._layout(i, value)
+            base = self._buffer(i, value, broadcast, outermost, size if rows else None)
             if base.data_ptr() != value.data_ptr():
                 source = value
                 for d in broadcast:
@@ -46,22 +44,39 @@ class StaticInputs:
                 (base.narrow(dim, 0, batch) if rows else base).copy_(source)
             if rows and batch < size:
                 base.narrow(dim, batch, size - batch).fill_(sig.pads[i])
-            shape = list(value.shape)
-            if dim is not None:
-                shape[dim] = size
-            out[i] = base.expand(shape) if broadcast else base
+            if broadcast:
+                shape = list(value.shape)
+                if dim is not None:
+                    shape[dim] = size
+                base = base.expand(shape)
+            out[i] = base
         for i in sig.batch_symints:
             out[i] = size
         return out
 
-    def _buffer(self, i: int, value: torch.Tensor, broadcast: list[int], size: int | None) -> torch.Tensor:
+    def _layout(self, i: int, value: torch.Tensor) -> tuple[list[int], bool, bool]:
+        """(broadcast dims, whether it has rows to pad, whether its batch dim is
+        outermost) for input i laid out as `value` is: Dynamo guards the layout, so
+        it is worked out once per stride pattern."""
+        key = (i, value.stride())
+        layout = self.layouts.get(key)
+        if layout is None:
+            dim = self.signature.batch_dims[i]
+            # A broadcast dim (stride 0, as from expand) stays one in the buffer: the
+            # compiled graph was traced with that layout, and its rows are one row anyway.
+            broadcast = [d for d in range(value.dim()) if value.stride(d) == 0 and value.shape[d] > 1]
+            rows = dim is not None and dim not in broadcast
+            layout = self.layouts[key] = (broadcast, rows, rows and _outermost(value, dim))
+        return layout
+
+    def _buffer(self, i: int, value: torch.Tensor, broadcast: list[int], outermost: bool,
+                size: int | None) -> torch.Tensor:
         """Input i's buffer at `size` rows (None: no rows to pad), one row on broadcast dims."""
         dim = self.signature.batch_dims[i]
-        shape = [1 if d in broadcast else n for d, n in enumerate(value.shape)]
-        outermost = size is not None and _outermost(value, dim)
         key = (i, self.largest if outermost else size)
         buffer = self.buffers.get(key)
         if buffer is None:
+            shape = [1 if d in broadcast else n for d, n in enumerate(value.shape)]
             if size is not None:
                 shape[dim] = key[1]
             buffer = self.buffers[key] = _empty_like(value, shape)

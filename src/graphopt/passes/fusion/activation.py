@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ... import _compat
 from ...kernels import activation as _kernels  # noqa: F401 - defines graphopt::silu_and_mul
-from ..manager import PassResult
+from ..base import PassResult, value_of
 from .replacement import Pattern, PatternSet, fwd_only
 
 ACTIVATIONS = PatternSet("fuse_activations")
@@ -58,14 +58,8 @@ def fuse_activations(gm: torch.fx.GraphModule) -> PassResult:
     return ACTIVATIONS(gm)
 
 
-def _val(match, name: str) -> torch.Tensor | None:
-    node = match.kwargs.get(name)
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
 def _gelu_fits(match) -> bool:
-    x = _val(match, "x")
+    x = value_of(match.kwargs.get("x"))
     constants = [(match.kwargs[name], value) for name, value in GELU_CONSTANTS.items() if name in match.kwargs]
     return x is not None and x.dtype.is_floating_point and all(
         isinstance(c, (int, float)) and not isinstance(c, bool) and abs(c - value) <= _CONSTANT_RTOL * value
@@ -73,14 +67,14 @@ def _gelu_fits(match) -> bool:
 
 
 def _gate_fits(match) -> bool:
-    gate, up = _val(match, "gate"), _val(match, "up")
+    gate, up = value_of(match.kwargs.get("gate")), value_of(match.kwargs.get("up"))
     return (gate is not None and up is not None and gate.dtype.is_floating_point
             and gate.dtype == up.dtype and gate.device == up.device and _compat.same_shape(gate, up))
 
 
 def _slope_fits(match) -> bool:
     """A slope of x's dtype and device whose broadcast with x is x's shape."""
-    x, a = _val(match, "x"), _val(match, "a")
+    x, a = value_of(match.kwargs.get("x")), value_of(match.kwargs.get("a"))
     if x is None or a is None or not x.dtype.is_floating_point or a.dtype != x.dtype \
             or a.device != x.device or a.dim() > x.dim():
         return False

@@ -12,7 +12,8 @@ import torch.fx
 import torch.nn.functional as F
 
 from ... import _compat
-from ..manager import PassResult
+from ..base import PassResult, value_of
+from ..strides import restrided, same_strides, set_values
 from . import FUSED_ATEN_OPS
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -60,7 +61,7 @@ def fuse_attention(gm: torch.fx.GraphModule) -> PassResult:
     fused = 0
     for node in list(gm.graph.nodes):  # replaced nodes stay (dead) until the end
         found = _match(gm, node) if node.op == "call_function" else None
-        fused += found is not None and _replace(gm.graph, found, decompositions, mode)
+        fused += found is not None and _replace(gm, found, decompositions, mode)
     if fused:
         gm.graph.eliminate_dead_code()
     return PassResult(changed=fused > 0, counts={"scaled_dot_product_attention": fused} if fused else {})
@@ -117,13 +118,8 @@ def _match(gm: torch.fx.GraphModule, node: torch.fx.Node) -> _Found | None:
     return found if _valid(found, cast) else None
 
 
-def _val(node: Any) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
 def _last_dim(x: Any, dims: Any) -> bool:
-    dims, val = dims if isinstance(dims, (list, tuple)) else [dims], _val(x)
+    dims, val = dims if isinstance(dims, (list, tuple)) else [dims], value_of(x)
     return val is not None and len(dims) == 1 and dims[0] in (-1, val.dim() - 1)
 
 
@@ -169,13 +165,13 @@ def _stages(gm: torch.fx.GraphModule, node: torch.fx.Node):
             if number and _same_shape(node, chain):
                 yield "scale", chain, 1.0 / number if divide else number
     elif target in _CASTS:
-        source, val = _val(args[0]), _val(node)
+        source, val = value_of(args[0]), value_of(node)
         if source is not None and val is not None and source.dtype in (torch.float16, torch.bfloat16) \
                 and val.dtype == torch.float32:
             yield "cast", args[0], None
     elif target is aten.add.Tensor and not node.kwargs:
         for scores, mask in ((args[0], args[1]), (args[1], args[0])):
-            if _val(mask) is not None and _val(mask).dtype.is_floating_point and _same_shape(node, scores):
+            if value_of(mask) is not None and value_of(mask).dtype.is_floating_point and _same_shape(node, scores):
                 yield "add", scores, (mask, 0.0)
     elif target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
         if _number(gm, args[2]) is not None and _same_shape(node, args[0]):
@@ -203,25 +199,27 @@ def _number(gm: torch.fx.GraphModule, arg: Any) -> float | None:
 
 
 def _same_shape(a: Any, b: Any) -> bool:
-    va, vb = _val(a), _val(b)
+    va, vb = value_of(a), value_of(b)
     return va is not None and vb is not None and _compat.same_shape(va, vb)
 
 
 def _matmul(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, set] | None:
     """(a, b, the product's nodes) when `node` is `matmul(a, b)` of two tensors of its
     rank, 3-D or 4-D: a `bmm`, or one in a batched matmul's decomposition."""
-    out = _val(node)
+    out = value_of(node)
     if out is None or out.dim() not in (3, 4):
         return None
     if node.target is aten.matmul.default:
         a, b = node.args
-        return (a, b, set()) if all(_val(t) is not None and _val(t).dim() == out.dim() for t in (a, b)) else None
-    bmm = node.args[0] if node.target in _RESHAPES else node
-    if not isinstance(bmm, torch.fx.Node) or bmm.target is not aten.bmm.default or _val(bmm) is None \
-            or _val(bmm.args[0]) is None or (bmm is not node and len(bmm.users) != 1) \
-            or (bmm is node and out.dim() != 3) or not _compat.same_sizes(_val(bmm).shape[1:], out.shape[-2:]):
+        if all(value_of(t) is not None and value_of(t).dim() == out.dim() for t in (a, b)):
+            return a, b, set()
         return None
-    batch, (rows, cols), inner = tuple(out.shape[:-2]), out.shape[-2:], _val(bmm.args[0]).shape[-1]
+    bmm = node.args[0] if node.target in _RESHAPES else node
+    if not isinstance(bmm, torch.fx.Node) or bmm.target is not aten.bmm.default or value_of(bmm) is None \
+            or value_of(bmm.args[0]) is None or (bmm is not node and len(bmm.users) != 1) \
+            or (bmm is node and out.dim() != 3) or not _compat.same_sizes(value_of(bmm).shape[1:], out.shape[-2:]):
+        return None
+    batch, (rows, cols), inner = tuple(out.shape[:-2]), out.shape[-2:], value_of(bmm.args[0]).shape[-1]
     a, b = _logical(bmm.args[0], batch + (rows, inner)), _logical(bmm.args[1], batch + (inner, cols))
     return None if a is None or b is None else (a, b, {bmm} - {node})
 
@@ -232,7 +230,7 @@ def _logical(operand: torch.fx.Node, shape: tuple) -> torch.fx.Node | None:
     it), so that value read in row-major order is the operand."""
     found, node = None, operand
     while isinstance(node, torch.fx.Node):
-        if _val(node) is not None and _compat.same_sizes(_val(node).shape, shape):
+        if value_of(node) is not None and _compat.same_sizes(value_of(node).shape, shape):
             found = node
         if node.target not in _LAYOUT:
             break
@@ -243,11 +241,11 @@ def _logical(operand: torch.fx.Node, shape: tuple) -> torch.fx.Node | None:
 def _consumer(probs: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, set] | None:
     """(v, output, product's nodes) when `probs`' one reader chain is `probs @ v`."""
     node, chain = probs, set()
-    while len(node.users) == 1 and _val(probs) is not None:
+    while len(node.users) == 1 and value_of(probs) is not None:
         user = next(iter(node.users))
         if user.target in (aten.bmm.default, aten.matmul.default) and user.args[0] is node:
             output = user
-            if user.target is aten.bmm.default and _val(probs).dim() == 4:
+            if user.target is aten.bmm.default and value_of(probs).dim() == 4:
                 output = next(iter(user.users)) if len(user.users) == 1 else user
             product = _matmul(output)
             if product is None or product[0] is not probs:
@@ -271,7 +269,7 @@ def _unscaled(node: torch.fx.Node) -> tuple[torch.fx.Node, float]:
 
 def _untransposed(kt: torch.fx.Node) -> tuple[torch.fx.Node, bool]:
     """(k, False) when `kt` swaps k's last two dims, else (kt, True)."""
-    rank = _val(kt).dim() if _val(kt) is not None else 0
+    rank = value_of(kt).dim() if value_of(kt) is not None else 0
     if rank and (kt.target is aten.transpose.int and {d % rank for d in kt.args[1:]} == {rank - 2, rank - 1}
                  or kt.target is aten.permute.default
                  and [d % rank for d in kt.args[1]] == [*range(rank - 2), rank - 1, rank - 2]):
@@ -289,13 +287,13 @@ def _repeated(node: torch.fx.Node) -> tuple[torch.fx.Node, int] | None:
     if not (isinstance(expand, torch.fx.Node) and expand.target is aten.expand.default
             and expand.args[0].target is aten.unsqueeze.default and expand.args[0].args[1] in (2, -3)):
         return None
-    x, sizes = expand.args[0].args[0], getattr(_val(expand), "shape", ())
-    if _val(x) is None or _val(x).dim() != 4 or len(sizes) != 5 or not isinstance(sizes[2], int) \
-            or _val(node) is None:
+    x, sizes = expand.args[0].args[0], getattr(value_of(expand), "shape", ())
+    if value_of(x) is None or value_of(x).dim() != 4 or len(sizes) != 5 or not isinstance(sizes[2], int) \
+            or value_of(node) is None:
         return None
-    b, h, s, d = _val(x).shape
+    b, h, s, d = value_of(x).shape
     if not (_compat.same_sizes(sizes, (b, h, sizes[2], s, d))
-            and _compat.same_sizes(_val(node).shape, (b, h * sizes[2], s, d))):
+            and _compat.same_sizes(value_of(node).shape, (b, h * sizes[2], s, d))):
         return None
     return x, sizes[2]
 
@@ -306,13 +304,13 @@ def _repeated_pair(found: _Found) -> tuple[torch.fx.Node, torch.fx.Node] | None:
 
 
 def _valid(found: _Found, cast: torch.fx.Node | None) -> bool:
-    q, k, v, out, mask = (_val(n) for n in (found.q, found.k, found.v, found.out, found.mask))
+    q, k, v, out, mask = (value_of(n) for n in (found.q, found.k, found.v, found.out, found.mask))
     if q is None or k is None or v is None or out is None or not math.isfinite(found.scale):
         return False
     if not (q.dtype == k.dtype == v.dtype == out.dtype and q.dtype.is_floating_point
             and q.device == k.device == v.device):
         return False
-    if cast is not None and q.dtype != getattr(_val(cast.args[0]), "dtype", None):
+    if cast is not None and q.dtype != getattr(value_of(cast.args[0]), "dtype", None):
         return False
     if q.device.type == "cuda" and q.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
         return False  # CUDA's fused kernels multiply float32 in TF32, which is not allowed
@@ -326,7 +324,7 @@ def _valid(found: _Found, cast: torch.fx.Node | None) -> bool:
 
 
 def _replacement(found: _Found, gqa: bool):
-    rank3 = _val(found.q).dim() == 3
+    rank3 = value_of(found.q).dim() == 3
 
     def attention(q, k, v, mask=None):
         k = k.transpose(-2, -1) if found.k_transposed else k
@@ -349,7 +347,7 @@ def _trace(found: _Found, decompositions: dict, mode: Any) -> tuple[torch.fx.Gra
     mask = [] if found.mask is None else [found.mask]
     choices = [(True, [found.q, *found.gqa])] if found.gqa else []
     for gqa, inputs in choices + [(False, [found.q, found.k, found.v])]:
-        values = [_val(n) for n in inputs + mask]
+        values = [value_of(n) for n in inputs + mask]
         try:
             with mode:
                 traced = _compat.trace_forward(_replacement(found, gqa), values, decompositions)
@@ -360,54 +358,25 @@ def _trace(found: _Found, decompositions: dict, mode: Any) -> tuple[torch.fx.Gra
     return None
 
 
-def _replace(graph: torch.fx.Graph, found: _Found, decompositions: dict, mode: Any) -> bool:
+def _replace(gm: torch.fx.GraphModule, found: _Found, decompositions: dict, mode: Any) -> bool:
     traced = _trace(found, decompositions, mode)
     if traced is None:
         return False
     traced, inputs = traced
-    result = next(n for n in traced.graph.nodes if n.op == "output").args[0]
-    with mode:
-        restrided = _restrided_users(found.out, _val(result))
+    graph, out = gm.graph, value_of(found.out)
+    result = value_of(next(n for n in traced.graph.nodes if n.op == "output").args[0])
+    # SDPA's result may have other strides than the product: the nodes downstream take them.
+    changed = {found.out: result} if same_strides(result, out) else restrided(gm, {found.out: result}, mode)
     copied = dict(zip((n for n in traced.graph.nodes if n.op == "placeholder"), inputs))
     with graph.inserting_before(found.out):
         new = graph.graph_copy(traced.graph, copied)
-        if restrided is None:  # a reader needs the product's layout: give SDPA's result that
+        if changed is None:  # a reader needs the product's layout: give SDPA's result that
             new = graph.call_function(aten.clone.default, (new,), {"memory_format": torch.contiguous_format})
-            new.meta["val"] = _val(found.out)
+            new.meta["val"] = out
     for node in [n for t, n in copied.items() if t.op != "placeholder"] + [new]:
         node.meta.setdefault("stack_trace", found.out.meta.get("stack_trace"))
     found.out.replace_all_uses_with(new)
-    for node, val in (restrided or {}).items():
-        node.meta["val"] = val
+    if changed is not None:
+        del changed[found.out]
+        set_values(changed)
     return True
-
-
-def _restrided_users(out: torch.fx.Node, val: torch.Tensor) -> dict | None:
-    """New `val`s of the nodes downstream of `out` whose strides change when `out`
-    becomes `val`, or None when one cannot take the new layout (a `view` that needs
-    the old strides, a graph output, an op that writes)."""
-    changed, queue = {out: val}, [out] if not _same_layout(_val(out), val) else []
-    while queue:
-        for user in queue.pop(0).users:
-            if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload) \
-                    or user.target._schema.is_mutable:
-                return None
-            args, kwargs = torch.fx.node.map_arg((user.args, user.kwargs),
-                                                 lambda n: changed[n] if n in changed else n.meta.get("val"))
-            try:
-                new = user.target(*args, **kwargs)
-            except Exception:  # noqa: BLE001 - the op refuses the new layout (or a value is missing)
-                return None
-            if not isinstance(new, torch.Tensor):
-                return None
-            if not _same_layout(_val(user), new):
-                changed[user] = new
-                queue.append(user)
-    del changed[out]
-    return changed
-
-
-def _same_layout(a: torch.Tensor | None, b: torch.Tensor) -> bool:
-    return a is not None and a.dtype == b.dtype and _compat.same_shape(a, b) and all(
-        _compat.known_true(size == 1) or _compat.known_true(x == y)
-        for size, x, y in zip(a.shape, a.stride(), b.stride()))

@@ -9,7 +9,7 @@ import math
 import torch
 import torch.fx
 
-from ..manager import PassResult
+from ..base import PassResult, value_of
 from . import FUSED_TAG
 from .replacement import Pattern, PatternSet
 
@@ -47,8 +47,7 @@ def _number(value: object) -> bool:
 
 
 def _fits(match) -> bool:
-    vals = [match.kwargs[name].meta.get("val") if isinstance(match.kwargs.get(name), torch.fx.Node) else None
-            for name in ("x1", "x2")]
+    vals = [value_of(match.kwargs.get(name)) for name in ("x1", "x2")]
     if not all(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in vals):
         return False
     coefficients = [match.kwargs[name] for name in ("b1", "b2") if name in match.kwargs]

@@ -10,9 +10,8 @@ import torch.fx
 
 from ... import _compat
 from ..._compat import same_sizes
-from ..cleanup import GraphFacts, alias_root, erase_dead
+from ..base import GraphFacts, PassResult, alias_root, erase_dead
 from ..constant_fold import FROZEN_INPUTS, fold_node
-from ..manager import PassResult
 from . import FUSED_TAG
 from ..strides import restrided, set_values
 from .linear import DecomposedLinear, decomposed_linear

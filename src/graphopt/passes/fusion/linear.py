@@ -10,8 +10,7 @@ import torch.fx
 
 from ... import _compat
 from ..._compat import known_true, same_sizes
-from ..cleanup import GraphFacts, alias_root
-from ..manager import PassResult
+from ..base import GraphFacts, PassResult, alias_root, value_of
 from ..strides import fake_run, restrided, set_values
 
 aten = torch.ops.aten
@@ -80,9 +79,9 @@ def decomposed_linear(mm: torch.fx.Node) -> DecomposedLinear | None:
             or transposed.target is aten.permute.default and list(transposed.args[1]) == [1, 0])):
         return None
     weight = transposed.args[0]
-    if _val(weight) is None or _val(weight).dim() != 2:
+    if value_of(weight) is None or value_of(weight).dim() != 2:
         return None
-    if bias is not None and (_val(bias) is None or _val(bias).dim() != 1):
+    if bias is not None and (value_of(bias) is None or value_of(bias).dim() != 1):
         return None  # addmm also broadcasts a 2-D "bias"; linear's bias is 1-D
     restore = next(iter(mm.users)) if len(mm.users) == 1 else None
     flattened = isinstance(lhs, torch.fx.Node) and lhs.target in _RESHAPES
@@ -90,20 +89,15 @@ def decomposed_linear(mm: torch.fx.Node) -> DecomposedLinear | None:
         # Several linears may share one flattening view (q/k/v after CSE): it is
         # erased with its last user.
         x = lhs.args[0]
-        x_val, out_val = _val(x), _val(restore)
-        n, k = _val(weight).shape
+        x_val, out_val = value_of(x), value_of(restore)
+        n, k = value_of(weight).shape
         if x_val is not None and out_val is not None and x_val.dim() >= 2 \
                 and same_sizes(x_val.shape[:-1], out_val.shape[:-1]) \
                 and same_sizes((x_val.shape[-1], out_val.shape[-1]), (k, n)):
             return DecomposedLinear(x, weight, bias, lhs, mm, restore)
-    if _val(lhs) is not None and _val(lhs).dim() == 2:
+    if value_of(lhs) is not None and value_of(lhs).dim() == 2:
         return DecomposedLinear(lhs, weight, bias, None, mm, mm)
     return None
-
-
-def _val(node) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
 
 
 def fuse_matmul_transpose(gm: torch.fx.GraphModule) -> PassResult:
@@ -142,13 +136,13 @@ def fuse_matmul_transpose(gm: torch.fx.GraphModule) -> PassResult:
             continue
         source = clone.args[0]
         if not (isinstance(source, torch.fx.Node) and source.target in _TRANSPOSES
-                and _val(source) is not None and alias_root(source) not in facts.written):
+                and value_of(source) is not None and alias_root(source) not in facts.written):
             continue
         chain = _matmul_chain(clone)
         if chain is None:
             continue
-        vals = restrided(gm, {clone: _val(source)}, fake_mode)
-        if vals is None or not all(_blas_ready(vals.get(n, _val(n))) and _still_view(n, vals, fake_mode)
+        vals = restrided(gm, {clone: value_of(source)}, fake_mode)
+        if vals is None or not all(_blas_ready(vals.get(n, value_of(n))) and _still_view(n, vals, fake_mode)
                                    for n in chain):
             continue
         clone.replace_all_uses_with(source)
@@ -213,7 +207,7 @@ def recompose_matmul(gm: torch.fx.GraphModule) -> PassResult:
         if restore.target not in _RESHAPES or None in operands:
             continue
         (a, *a_chain), (c, *c_chain) = operands
-        a_val, c_val, out_val = _val(a), _val(c), _val(restore)
+        a_val, c_val, out_val = value_of(a), value_of(c), value_of(restore)
         if not (a_val.dim() == c_val.dim() == out_val.dim() >= 3
                 and same_sizes(a_val.shape[:-2], out_val.shape[:-2])
                 and same_sizes(c_val.shape[:-2], out_val.shape[:-2])):
@@ -238,6 +232,6 @@ def _unflattened(flat: object) -> tuple | None:
             and len(expand.users) == 1):
         return None
     x = expand.args[0]
-    if _val(x) is None or _val(expand) is None or not same_sizes(_val(x).shape, _val(expand).shape):
+    if value_of(x) is None or value_of(expand) is None or not same_sizes(value_of(x).shape, value_of(expand).shape):
         return None
     return x, flat, expand

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ... import _compat
 from ...kernels import norm as kernels  # defines graphopt::rms_norm & co. before patterns are traced
-from ..manager import PassResult
+from ..base import PassResult, value_of
 from .replacement import Pattern, PatternSet, _inductor_trace, fwd_only
 
 ops = torch.ops.graphopt
@@ -83,26 +83,21 @@ def fuse_norms(gm: torch.fx.GraphModule) -> PassResult:
     return NORMS(gm)
 
 
-def _val(node: Any) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
 def _valid(match: Any, *, params: tuple[str, ...] = (), same_dtype: bool = False) -> bool:
     """What the re-traced pattern does not pin down: eps is one number (not a
     tensor per row), `params` are vectors over the normalised dim (in x's dtype
     when `same_dtype`), and a residual has x's shape and dtype."""
     kwargs = match.kwargs
     eps = kwargs.get("eps")
-    x = _val(kwargs.get("x"))
+    x = value_of(kwargs.get("x"))
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or x is None or x.dim() == 0:
         return False
     if "residual" in kwargs:
-        residual = _val(kwargs["residual"])
+        residual = value_of(kwargs["residual"])
         if residual is None or residual.dtype != x.dtype or not _compat.same_shape(residual, x):
             return False
     for name in params:
-        param = _val(kwargs.get(name))
+        param = value_of(kwargs.get(name))
         if param is None or not _compat.same_sizes(param.shape, (x.shape[-1],)):
             return False
         if same_dtype and param.dtype != x.dtype:

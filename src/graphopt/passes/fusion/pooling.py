@@ -16,8 +16,7 @@ import torch
 import torch.fx
 
 from ..._compat import known_true
-from ..cleanup import GraphFacts, value_of
-from ..manager import PassResult
+from ..base import GraphFacts, PassResult, value_of
 from . import FUSED_TAG
 
 aten = torch.ops.aten

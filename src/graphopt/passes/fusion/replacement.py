@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from ... import _compat
 from ...config import tolerance
-from ..manager import PassResult
+from ..base import PassResult
 
 
 def fwd_only(fn: Callable, args: Sequence[Any], **_: Any) -> torch.fx.GraphModule:

@@ -11,7 +11,7 @@ import torch.fx
 
 from ... import _compat
 from ...kernels import rotary as _kernels
-from ..manager import PassResult
+from ..base import PassResult, value_of
 from .replacement import Pattern, PatternSet
 
 ROTARY = PatternSet("fuse_rotary")
@@ -52,14 +52,8 @@ def _fused(x, cos, sin):
     return torch.ops.graphopt.rotary_embedding(x, cos, sin)
 
 
-def _val(match, name: str) -> torch.Tensor | None:
-    node = match.kwargs.get(name)
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
 def _fits(match) -> bool:
-    x, cos, sin = (_val(match, name) for name in ("x", "cos", "sin"))
+    x, cos, sin = (value_of(match.kwargs.get(name)) for name in ("x", "cos", "sin"))
     if x is None or cos is None or sin is None or x.dim() == 0:
         return False
     if not all(t.dtype.is_floating_point and t.device == x.device for t in (x, cos, sin)):
