@@ -1,7 +1,10 @@
+import re
+
 import pytest
 import torch
 
 import graphopt
+from graphopt.config import tolerance
 from graphopt.passes import manager
 from graphopt.passes.base import PassResult
 from support import decode_inputs
@@ -91,3 +94,79 @@ def test_verify_passes_for_the_builtin_pipeline(decoder):
     opt, out = run_decode(decoder, config(verify=True))
     assert "verify skipped" not in str(opt.report())
     assert len(opt.report().passes) == len(manager.PIPELINES[1])
+
+
+def leave_a_constant(gm):
+    """What a folding pass leaves besides the graph: a buffer and its refresh recipe."""
+    gm.register_buffer("_folded_99", torch.zeros(1), persistent=False)
+    gm.meta.setdefault("graphopt_folded_recipes", {})["_folded_99"] = None
+
+
+def read_before_defined(gm):
+    """A broken pass: it moves the graph's last op before everything it reads."""
+    leave_a_constant(gm)
+    last = gm.graph.output_node().prev
+    gm.graph.find_nodes(op="placeholder")[0].prepend(last)
+    return PassResult(changed=True, counts={"moved": 1})
+
+
+LITERAL = torch.ones(())
+
+
+def tensor_literal(gm):
+    """A broken pass: a `cat` takes a tensor literal among the nodes of its list."""
+    leave_a_constant(gm)
+    cat = next(n for n in gm.graph.nodes if n.target is aten.cat.default)
+    cat.args = ([LITERAL, *cat.args[0][1:]], *cat.args[1:])
+    return PassResult(changed=True, counts={"replaced": 1})
+
+
+def with_broken_pass(monkeypatch, name, fn):
+    passes = manager.builtin_passes()
+    pipeline = ["dce", "remove_noops", "recompose_linear", "reinplace_input_mutations"]
+    monkeypatch.setattr(manager, "builtin_passes", lambda: {**passes, name: fn})
+    monkeypatch.setitem(manager.PIPELINES, 1, [*pipeline[:2], name, *pipeline[2:]])
+    return pipeline
+
+
+@pytest.mark.parametrize("broken, problem", [
+    pytest.param(read_before_defined, r"was used before it has been defined", id="read_before_defined"),
+    pytest.param(tensor_literal, r"node 'cat\w*' takes a tensor of shape \(\) as a literal argument",
+                 id="tensor_literal"),
+])
+def test_a_pass_that_leaves_an_invalid_graph_is_undone(decoder, monkeypatch, broken, problem):
+    name = broken.__name__
+    pipeline = with_broken_pass(monkeypatch, name, broken)
+    opt, out = run_decode(decoder, config())
+    with torch.inference_mode():
+        expected = decoder(*decode_inputs(3))
+    atol, rtol = tolerance(expected.dtype)
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+
+    (reason, count), = opt.report().fallbacks.items()
+    assert count == 1
+    assert re.fullmatch(rf"pass '{name}' left an invalid graph \(.*{problem}.*\); it was undone for this "
+                        rf"graph\. Disable it with disabled_passes=\['{name}'\] and report the graph "
+                        r"\(debug_dump_dir\)\.", reason)
+    record = next(p for p in opt.report().passes if p.name == name)
+    assert not record.changed and record.counts == {}
+
+    # Undone exactly: the graph is the one the pipeline without the broken pass gives,
+    # node names included, without the buffer and recipe the pass added.
+    (gm,) = opt.graphs()
+    assert not hasattr(gm, "_folded_99")
+    assert "_folded_99" not in gm.meta.get("graphopt_folded_recipes", {})
+    torch._dynamo.reset()
+    monkeypatch.setitem(manager.PIPELINES, 1, pipeline)
+    reference, _ = run_decode(decoder, config())
+    (expected_gm,) = reference.graphs()
+    assert [(n.name, n.op, n.target) for n in gm.graph.nodes] == \
+        [(n.name, n.op, n.target) for n in expected_gm.graph.nodes]
+
+
+def test_with_verify_an_invalid_graph_is_an_error(decoder, monkeypatch):
+    with_broken_pass(monkeypatch, "read_before_defined", read_before_defined)
+    with pytest.raises(Exception, match=r"PassVerificationError: pass 'read_before_defined' left an invalid "
+                                        r"graph: .*used before it has been defined.*"
+                                        r"disabled_passes=\['read_before_defined'\]"):
+        run_decode(decoder, config(verify=True))

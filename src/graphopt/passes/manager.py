@@ -1,10 +1,15 @@
 """The pass pipeline of each graph_opt_level, run on one ATen FX graph.
 
 A pass is a function `GraphModule -> PassResult` that rewrites the graph in place.
-The manager runs the level's pipeline in order, skips `disabled_passes`, lints the
+The manager runs the level's pipeline in order, skips `disabled_passes`, checks the
 graph after every pass, records one `PassRecord` per pass in the report (counts
 summed over cleanup rounds), writes debug dumps, and with `verify=True` proves each
 pass kept the graph's results.
+
+A pass that leaves an invalid graph (one `Graph.lint` refuses, or a node taking a
+tensor as a literal argument instead of reading a constant with get_attr) is undone:
+the graph goes back to what it was before that pass, the fallback is counted in the
+report, and the pipeline goes on. With `verify=True` it is an error instead.
 
 The cleanup passes repeat as a group until a round changes nothing (at most
 `CLEANUP_ROUNDS` rounds): one rewrite often enables another (a removed no-op lets
@@ -13,6 +18,7 @@ CSE merge two values, a folded constant turns `x * w` into `x * 1`).
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 import time
@@ -32,7 +38,8 @@ PassFn = Callable[[torch.fx.GraphModule], PassResult]
 
 
 class PassVerificationError(RuntimeError):
-    """A pass changed what the graph computes (raised with `verify=True`)."""
+    """A pass left an invalid graph or changed what the graph computes (raised with
+    `verify=True`)."""
 
 
 def builtin_passes() -> dict[str, PassFn]:
@@ -121,7 +128,7 @@ class PassManager:
             folder = folder / f"graph_{next(_dump_ids):03d}"
             folder.mkdir(parents=True, exist_ok=True)
             _dump(gm, folder / "00_input")
-        run = _Run(gm, graph_index, self.report, folder, verify_inputs)
+        run = _Run(gm, graph_index, self.report, folder, verify_inputs, self.config.verify)
         for group in self._groups():
             rounds = CLEANUP_ROUNDS if group[0][1] in CLEANUP else 1
             for round_ in range(1, rounds + 1):
@@ -147,17 +154,26 @@ class _Run:
     and the reference results verification compares against."""
 
     def __init__(self, gm: torch.fx.GraphModule, graph_index: int, report: Report,
-                 folder: Path | None, verify_inputs: Sequence[Any] | None):
+                 folder: Path | None, verify_inputs: Sequence[Any] | None, verify: bool):
         self.gm, self.graph_index, self.report, self.folder = gm, graph_index, report, folder
-        self.verify_inputs = verify_inputs
+        self.verify_inputs, self.verify = verify_inputs, verify
         self.expected = _run_graph(gm, verify_inputs) if verify_inputs is not None else None
         self.records: dict[str, PassRecord] = {}
 
     def step(self, step: int, name: str, fn: PassFn, round_: int) -> bool:
-        """Run one pass; True when it changed the graph."""
+        """Run one pass; True when it changed the graph (and was not undone)."""
         start = time.perf_counter()
+        before = _Snapshot(self.gm)
         result = fn(self.gm)
-        self.gm.graph.lint()
+        problem = _invalid(self.gm.graph)
+        if problem is not None:
+            advice = f"Disable it with disabled_passes=[{name!r}] and report the graph (debug_dump_dir)."
+            if self.verify:
+                raise PassVerificationError(f"pass {name!r} left an invalid graph: {problem}. {advice}")
+            before.restore(self.gm)
+            self.report.fallback(f"pass {name!r} left an invalid graph ({problem}); it was undone for "
+                                 f"this graph. {advice}")
+            result = PassResult(changed=False)
         self.gm.recompile()
         record = self.records.get(name)
         if record is None:
@@ -176,6 +192,61 @@ class _Run:
                 _check_same(name, self.expected, actual)
             self.expected = actual
         return result.changed
+
+
+def _invalid(graph: torch.fx.Graph) -> str | None:
+    """Why `graph` is not a valid graph to run or compile, or None when it is: what
+    `Graph.lint` refuses (a node used before it is defined, ...), or a tensor given
+    as a literal argument. A constant must be read with get_attr: compilers trace
+    graphs on fake tensors, and a real tensor among their arguments fails there."""
+    try:
+        graph.lint()
+    except RuntimeError as error:
+        return str(error).splitlines()[0]  # the graph printed after it is in the dumps
+    for node in graph.nodes:
+        for arg in tree_leaves((node.args, node.kwargs)):
+            if isinstance(arg, torch.Tensor):
+                return (f"node {node.name!r} takes a tensor of shape {tuple(arg.shape)} as a literal argument "
+                        "instead of reading a constant with get_attr")
+    return None
+
+
+class _Snapshot:
+    """A graph module as it was before a pass: a copy of its nodes (their names and
+    meta), the names of its tensors and submodules, and its meta, so that a pass
+    that broke the graph can be undone."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        self.graph = copy.deepcopy(gm.graph)
+        self.attributes = _attributes(gm)
+        # A pass may add to a dict of gm.meta in place (fold_constants' refresh recipes).
+        self.meta = {key: dict(value) if isinstance(value, dict) else value for key, value in gm.meta.items()}
+
+    def restore(self, gm: torch.fx.GraphModule) -> None:
+        """Put the saved nodes back into gm's own Graph object (Inductor holds on to it
+        at level 2), and remove the attributes the pass added."""
+        graph = gm.graph
+        nodes = list(graph.nodes)
+        for node in nodes:  # unlinked first: a broken graph may read a node before it is defined
+            node.args, node.kwargs = (), {}
+        for node in reversed(nodes):
+            graph.erase_node(node)
+        copies: dict[torch.fx.Node, torch.fx.Node] = {}
+        for node in self.graph.nodes:
+            copies[node] = graph.node_copy(node, copies.__getitem__)
+            # The graph never frees a name, so the copy was given a new one; frozen
+            # parameters are found by their placeholder's name.
+            copies[node].name = node.name
+        for name in _attributes(gm) - self.attributes:
+            delattr(gm, name)
+        gm.meta.clear()
+        gm.meta.update(self.meta)
+
+
+def _attributes(gm: torch.fx.GraphModule) -> set[str]:
+    """What a get_attr node can read: gm's own tensors and submodules."""
+    return {*dict(gm.named_parameters(recurse=False)), *dict(gm.named_buffers(recurse=False)),
+            *dict(gm.named_children()), *(k for k, v in vars(gm).items() if isinstance(v, torch.Tensor))}
 
 
 def _run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> list[torch.Tensor]:
