@@ -2,11 +2,12 @@
 
 A program is ~30 operations over a pool of values, all with the batch as dim 0
 (dynamic): elementwise ops, matmuls against parameters, reductions, views and
-reshapes, transposes, cat/split, softmax, where, written-out norms, in-place ops on
-fresh values, constants built from factories, integer arithmetic, and identities
-and duplicates put there on purpose for the cleanup passes to find. Each program
-runs through `graphopt.optimize` at level 1 (parameters frozen or not) at two batch
-sizes, and must match eager within `graphopt.config.tolerance`.
+reshapes, transposes, cat/split, softmax, where, written-out norms (Gemma's residual
+add + RMSNorm scaled by `1 + w` too), in-place ops on fresh values, constants built
+from factories, integer arithmetic, and identities and duplicates put there on
+purpose for the cleanup passes to find. Each program runs through `graphopt.optimize`
+at level 1 (parameters frozen or not) at two batch sizes, and must match eager within
+`graphopt.config.tolerance` with no fallback (no pass undone).
 
 The default suite runs a fast profile; `pytest -m slow` runs the long one.
 """
@@ -76,6 +77,14 @@ def _rms_norm(x, w):
     return (w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)),)
 
 
+def _offset_rms_norm(x, r, w):
+    """Gemma's block: a residual add, an RMSNorm scaled by `1 + w` (computed after the
+    norm, so it comes after the add in the graph), and the residual read again."""
+    h = x + r
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w)
+    return normed, normed + h
+
+
 def _split(x, k):
     first = k % (x.shape[1] - 1) + 1
     return tuple(torch.split(x, [first, x.shape[1] - first], dim=-1))
@@ -131,6 +140,8 @@ OPS: dict[str, Op] = {
     "softmax": Op("f", lambda x, k, w: (torch.softmax(x, -1),)),
     "layer_norm": Op("f", lambda x, k, w: _layer_norm(x, w), weight=_row),
     "rms_norm": Op("f", lambda x, k, w: _rms_norm(x, w), weight=_row),
+    "offset_rms_norm": Op("fs", lambda x, r, k, w: _offset_rms_norm(x, r, w),
+                          lambda widths, k: [("f", widths[0])] * 2, weight=_row),
     # views, reshapes, transposes, cat/split (the view ops need an even width)
     "swap_halves": Op("f", lambda x, k, w: (_half(x).transpose(1, 2).reshape(x.shape[0], -1),)),
     "view_chain": Op("f", lambda x, k, w: (_half(x).view(x.shape[0], -1, 1).view(x.shape[0], -1) + 1,)),
@@ -260,7 +271,9 @@ def check_program(program: Program) -> None:
                 assert a.shape == e.shape and a.dtype == e.dtype, f"output {i} at batch {batch}"
                 torch.testing.assert_close(a, e, atol=atol, rtol=rtol, equal_nan=True,
                                            msg=lambda m: f"output {i} at batch {batch}: {m}")
-    assert optimized.report().graphs, "nothing was compiled"
+    report = optimized.report()
+    assert report.graphs, "nothing was compiled"
+    assert not report.fallbacks, f"fallbacks (a pass undone?): {dict(report.fallbacks)}"
     for gm in optimized.graphs():  # buffers alive at once never share arena bytes
         check_plan(gm, gm.meta["graphopt_memory"])
 

@@ -5,6 +5,7 @@ not fuse."""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.func import functional_call
 
 import graphopt
 from graphopt.config import tolerance
@@ -13,6 +14,7 @@ from graphopt.models.decoder import RMSNorm
 from graphopt.passes.cleanup import cse
 from graphopt.passes.fusion.norm import fuse_norms
 from support import aot_graph, decode_inputs, targets
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 aten, graphopt_ops = torch.ops.aten, torch.ops.graphopt
@@ -251,6 +253,21 @@ def test_add_rms_norm_whose_float32_copy_is_read_elsewhere_normalises_the_copy()
 
     after = assert_fused(block, (x, r, w), "rms_norm", graphopt_ops.rms_norm.default, 5)
     assert aten.add.Tensor in after and aten._to_copy.default in after
+
+
+def test_add_rms_norm_scaled_by_gemmas_one_plus_weight():
+    """GemmaRMSNorm scales by `1 + w`, computed after the norm, so after the residual
+    add the fused op takes the place of: it must move after `1 + w`, and the later
+    read of the residual after it."""
+    norm = GemmaRMSNorm(H)
+
+    def block(x, r, w):
+        h = x + r
+        return functional_call(norm, {"weight": w}, (h,)), h * 2
+
+    result, _, after = fuse(block, torch.randn(2, 5, H), torch.randn(2, 5, H), torch.randn(H))
+    assert result.counts == {"add_rms_norm": 1}
+    assert after.count(graphopt_ops.add_rms_norm.default) == 1 and not set(after) & set(NORM_OPS)
 
 
 # --- npugraph_ex's add + RMSNorm epilogues ----------------------------------------------

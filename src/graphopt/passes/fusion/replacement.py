@@ -89,6 +89,7 @@ class PatternSet:
         counts.clear()
         matched = matcher.apply(gm) if matcher.patterns else 0
         if matched:
+            _inputs_first(gm.graph)
             gm.graph.eliminate_dead_code()
         return PassResult(changed=matched > 0, counts={k: v for k, v in counts.items() if v})
 
@@ -101,6 +102,32 @@ class PatternSet:
                         _register(pattern, matcher, counts, level)
                 self._matchers[level] = (matcher, counts)
             return self._matchers[level]
+
+
+def _inputs_first(graph: torch.fx.Graph) -> None:
+    """Move each node that reads a value defined after it to just after its last
+    input, with everything that reads it; the order of the rest is kept.
+
+    Inductor's matcher inserts a replacement before the first output of its match
+    (and Inductor sorts the graph after its own passes). An argument computed
+    between the match's outputs would be read before it is defined: Gemma's
+    `residual + x` is the first output of add + RMSNorm, and its `1 + weight` is
+    computed after the norm it scales."""
+    defined: set[torch.fx.Node] = set()
+    waiting: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    last = None
+    pending = list(reversed(graph.nodes))
+    while pending:
+        node = pending.pop()
+        missing = [n for n in node.all_input_nodes if n not in defined]
+        if missing:  # comes back when that input is placed, to check the others
+            waiting.setdefault(missing[-1], []).append(node)
+            continue
+        defined.add(node)
+        if last is not None and last.next is not node:
+            last.append(node)
+        last = node
+        pending.extend(reversed(waiting.pop(node, [])))
 
 
 def _register(pattern: Pattern, matcher: Any, counts: Counter, level: int) -> None:
