@@ -1,9 +1,12 @@
 """fold_constants and refresh_folded_constants."""
 
+import pytest
 import torch
+import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import graphopt
+from graphopt import _compat
 from graphopt.passes.constant_fold import (FOLDED_RECIPES, FROZEN_INPUTS, fold_constants, fold_node,
                                            refresh_folded_constants)
 from support import targets
@@ -232,3 +235,20 @@ def test_fold_node_converts_a_frozen_weight_once_and_leaves_live_inputs():
     assert fold_node(gm, input_clone) is None
     assert targets(gm) == [aten.clone.default, aten.convolution.default]
     torch.testing.assert_close(gm(x, w), fn(x, w), atol=0, rtol=0)
+
+
+@pytest.mark.skipif(not _compat.inductor_available(), reason="Inductor needs a C++ compiler")
+def test_at_level_2_a_library_kernel_reads_a_folded_constant():
+    """Inductor calls SDPA on CPU as a library kernel and hands it a constant as the
+    real tensor, under the compile's fake mode (Qwen3's causal mask at batch 1)."""
+    def attend(q):
+        mask = torch.zeros(8, 8).masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+    q = torch.randn(1, 2, 8, 16)
+    opt = graphopt.optimize(attend, graphopt.GraphOptimizationConfig(graph_opt_level=2, use_cudagraph=False))
+    with torch.inference_mode():
+        torch.testing.assert_close(opt(q), attend(q))
+    (gm,) = opt.graphs()
+    (sdpa,) = gm.graph.find_nodes(op="call_function", target=aten._scaled_dot_product_flash_attention_for_cpu.default)
+    assert sdpa.kwargs["attn_mask"].op == "get_attr"

@@ -87,6 +87,8 @@ def _into_buffer(gm: torch.fx.GraphModule, node: torch.fx.Node, value: object, s
         return None
     name = next(f"_folded_{i}" for i in itertools.count() if not hasattr(gm, f"_folded_{i}"))
     gm.register_buffer(name, value, persistent=False)
+    if gm.meta.get("graphopt_level") == 2:
+        _allow_constants_in_inductor(gm)
     if _from_frozen(sources[node], recipes):
         recipes[name] = _recipe(gm, node)
     with gm.graph.inserting_before(node):
@@ -94,6 +96,16 @@ def _into_buffer(gm: torch.fx.GraphModule, node: torch.fx.Node, value: object, s
     attr.meta = dict(node.meta)
     node.replace_all_uses_with(attr)
     return attr
+
+
+def _allow_constants_in_inductor(gm: torch.fx.GraphModule) -> None:
+    """Inductor hands a constant to a kernel it calls as a library (SDPA on CPU, reading
+    a folded causal mask) as the real tensor, under the compile's fake mode, which
+    refuses real tensors unless told otherwise. Inductor's freezing, which adds
+    constants to the graph as folding does, tells it so."""
+    mode = _compat.fake_mode_of(gm)
+    if mode is not None:
+        mode.allow_non_fake_inputs = True
 
 
 def _erase_unread(gm: torch.fx.GraphModule, sources: dict) -> None:
