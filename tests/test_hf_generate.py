@@ -1,0 +1,230 @@
+"""transformers' `generate()` as a client of graphopt (issue 12, part 5).
+
+Greedy decoding with `cache_implementation="static"` on tiny random models (nothing
+downloaded): the optimized model must produce exactly the tokens eager `generate()`
+produces on an identical twin, through each way in (`torch.compile` by backend name,
+`torch.compile` with a `Backend` object, `model.forward = graphopt.optimize(...)`).
+
+With device graphs (level 1 on CPU: host graphs), the report's counters are read
+after every forward call, through a logits processor: `generate()` calls it once per
+new token, right after the forward that produced that token's logits. So a test can
+say which step warmed up, which captured and that every later one replayed, with no
+recompile or recapture in between.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import pytest
+import torch
+
+import graphopt
+from graphopt import _compat
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 128
+PROMPT_LEN = 5
+NEW_TOKENS = 8
+# Capture sizes 1, 2, 4; the StaticCache is sized to the batch, so each batch is
+# captured at its exact size anyway (the runner reports that as a fallback).
+MAX_NUM_SEQS = 4
+EXACT_SIZE = "captured at their exact size"
+
+
+def _decoder_config(cls: type, **extra: Any) -> Any:
+    return cls(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+               num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64, **extra)
+
+
+BUILDERS: dict[str, Callable[[], torch.nn.Module]] = {
+    "llama": lambda: transformers.LlamaForCausalLM(_decoder_config(transformers.LlamaConfig)),
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(_decoder_config(transformers.Qwen2Config)),
+    "mistral": lambda: transformers.MistralForCausalLM(_decoder_config(transformers.MistralConfig)),
+    # head_dim 32 while hidden/heads is 16: q/k/v are wider than the hidden size.
+    "gemma": lambda: transformers.GemmaForCausalLM(_decoder_config(transformers.GemmaConfig, head_dim=32)),
+    # Phi-3's default pad id (32000) lies outside a 128-token vocabulary.
+    "phi3": lambda: transformers.Phi3ForCausalLM(_decoder_config(
+        transformers.Phi3Config, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # GPT-2's default bos/eos ids (50256) too.
+    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=4, n_inner=128, n_positions=64,
+        bos_token_id=0, eos_token_id=0)),
+}
+
+
+def twins(name: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(eager, to be optimized): two models with the same weights."""
+    torch.manual_seed(0)
+    eager = BUILDERS[name]().eval()
+    model = BUILDERS[name]().eval()
+    model.load_state_dict(eager.state_dict())
+    return eager, model
+
+
+def prompt(batch: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(batch))
+
+
+class Counters(NamedTuple):
+    replays: int
+    captures: int
+    recaptures: int
+    recompiles: int
+
+
+class CounterProbe(transformers.LogitsProcessor):
+    """Records the report's counters after every forward call of one `generate()`:
+    `steps[0]` after the prefill, `steps[i]` after decode step i."""
+
+    def __init__(self, report: Callable[[], graphopt.Report]):
+        self.report = report
+        self.steps: list[Counters] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        r = self.report()
+        self.steps.append(Counters(r.replays, len(r.captures), r.recaptures, r.recompiles))
+        return scores
+
+
+def generate(model: torch.nn.Module, ids: torch.Tensor, probe: CounterProbe | None = None,
+             **kwargs: Any) -> Any:
+    # min_new_tokens: no early stop at an end-of-sequence token, so every
+    # generate() makes exactly NEW_TOKENS forward calls.
+    kwargs.setdefault("cache_implementation", "static")
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                          min_new_tokens=NEW_TOKENS, do_sample=False,
+                          logits_processor=transformers.LogitsProcessorList([probe] if probe else []), **kwargs)
+
+
+def assert_replays_from(steps: list[Counters], first_replay: int, where: str) -> None:
+    """Decode steps `first_replay`.. each replayed a graph: one more replay per step,
+    and no capture, recapture or recompile among them."""
+    assert len(steps) == NEW_TOKENS, f"{where}: {len(steps)} forward calls, expected {NEW_TOKENS}"
+    before = steps[first_replay - 1]
+    for i in range(first_replay, NEW_TOKENS):
+        expected = before._replace(replays=before.replays + i - first_replay + 1)
+        assert steps[i] == expected, f"{where}: after decode step {i}: {steps[i]}, expected {expected}\n{steps}"
+
+
+def assert_warms_up_captures_then_replays(steps: list[Counters], config: graphopt.GraphOptimizationConfig,
+                                          where: str) -> None:
+    """One generate() whose decode graph is new at this batch (or whose cache is new):
+    decode steps 1..W are its warm-ups, step W+1 captures (its own run is its result),
+    and steps W+2..NEW_TOKENS-1 replay. The prefill (steps[0]) runs once, a warm-up.
+
+    With NEW_TOKENS=8 and W=2: 7 decode steps = 2 warm-ups + 1 capture + 4 replays.
+    """
+    warmups = max(config.cudagraph_num_of_warmups, 1)
+    capture_step = warmups + 1
+    assert NEW_TOKENS - 1 > capture_step, "too few new tokens to see a replay"
+    for i in range(1, capture_step):
+        assert steps[i].captures == steps[0].captures and steps[i].replays == steps[0].replays, (
+            f"{where}: decode step {i} should be a warm-up\n{steps}")
+    assert steps[capture_step].captures == steps[0].captures + 1, (
+        f"{where}: decode step {capture_step} should capture\n{steps}")
+    assert steps[capture_step].replays == steps[0].replays
+    assert_replays_from(steps, capture_step + 1, where)
+    # The arithmetic, stated once: replays in one generate() = decode steps - warm-ups - the capture.
+    assert steps[-1].replays - steps[0].replays == (NEW_TOKENS - 1) - warmups - 1
+
+
+def options_for(level: int) -> dict[str, Any]:
+    return {"graph_opt_level": level, "max_num_seqs": MAX_NUM_SEQS}
+
+
+def config_for(level: int) -> graphopt.GraphOptimizationConfig:
+    return graphopt.GraphOptimizationConfig(**options_for(level))
+
+
+def skip_without_inductor(level: int) -> None:
+    if level == 2 and not _compat.inductor_available():
+        pytest.skip("graph_opt_level=2 needs a C++ compiler for Inductor on CPU")
+
+
+# --- every model, level 1, through optimize() --------------------------------------
+
+# Batch sizes per model: every model at batch 1; Llama also at 2 and 3 in the same
+# process (each compiles or captures anew: the StaticCache is sized to the batch).
+BATCHES = {name: (1, 2, 3) if name == "llama" else (1,) for name in BUILDERS}
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_generate_level1_gives_eager_tokens_and_replays_every_decode_step(name: str) -> None:
+    eager, model = twins(name)
+    config = config_for(1)
+    model.forward = graphopt.optimize(model.forward, config)
+    report = model.forward.report
+
+    for batch in BATCHES[name]:
+        ids = prompt(batch)
+        probe = CounterProbe(report)
+        out = generate(model, ids, probe, return_dict_in_generate=True)
+        where = f"{name} batch {batch}"
+        assert torch.equal(out.sequences, generate(eager, ids)), f"{where}: tokens differ from eager's"
+        assert_warms_up_captures_then_replays(probe.steps, config, where)
+
+        # The same cache again: its tensors are the ones captured, so every decode
+        # step replays at once, and nothing is compiled or captured again.
+        cache = out.past_key_values
+        cache.reset()
+        probe = CounterProbe(report)
+        again = generate(model, ids, probe, past_key_values=cache, cache_implementation=None)
+        assert torch.equal(again, out.sequences), f"{where}: tokens differ on the reused cache"
+        assert_replays_from(probe.steps, 1, f"{where}, reused cache")
+        assert probe.steps[-1]._replace(replays=0) == probe.steps[0]._replace(replays=0)
+
+    fallbacks = report().fallbacks
+    assert all(EXACT_SIZE in reason for reason in fallbacks), f"unexpected fallbacks: {dict(fallbacks)}"
+
+
+# --- Llama through each way in, levels 1 and 2 -------------------------------------
+
+def _by_name(model: torch.nn.Module, level: int) -> Callable[[], graphopt.Report]:
+    options = options_for(level)
+    model.forward = torch.compile(model.forward, backend="graphopt", options=options)
+    # torch hands this very dict to the backend with every graph; graphopt keeps one
+    # Backend per options dict, which is where its report lives.
+    from graphopt.backend import _backends_by_options
+
+    return lambda: next(b for opts, b in _backends_by_options.values() if opts is options).report()
+
+
+def _by_backend(model: torch.nn.Module, level: int) -> Callable[[], graphopt.Report]:
+    backend = graphopt.Backend(config_for(level))
+    model.forward = torch.compile(model.forward, backend=backend)
+    return backend.report
+
+
+def _by_optimize(model: torch.nn.Module, level: int) -> Callable[[], graphopt.Report]:
+    model.forward = graphopt.optimize(model.forward, config_for(level))
+    return model.forward.report
+
+
+WAYS = {"compile-name": _by_name, "compile-backend": _by_backend, "optimize": _by_optimize}
+
+
+# optimize() at level 1 is the first test's Llama case.
+WAYS_AND_LEVELS = [pytest.param(way, level, id=f"{way}-L{level}")
+                   for level in (1, 2) for way in WAYS if (way, level) != ("optimize", 1)]
+
+
+@pytest.mark.parametrize("way, level", WAYS_AND_LEVELS)
+def test_llama_generate_through_each_way_in(way: str, level: int) -> None:
+    skip_without_inductor(level)
+    eager, model = twins("llama")
+    report = WAYS[way](model, level)
+    ids = prompt(1)
+    probe = CounterProbe(report)
+    assert torch.equal(generate(model, ids, probe), generate(eager, ids)), f"{way} L{level}: tokens differ"
+
+    if level == 1:
+        assert_warms_up_captures_then_replays(probe.steps, config_for(1), f"{way} L1")
+        assert not report().fallbacks, f"unexpected fallbacks: {dict(report().fallbacks)}"
+    else:
+        # Level 2 on the CPU runs Inductor's kernels without device graphs, and says so;
+        # no decode step after the first compiles anything again.
+        assert probe.steps[-1].replays == 0 and probe.steps[-1].captures == 0
+        assert any("graph_opt_level=2 on CPU" in reason for reason in report().fallbacks), report()
+        assert probe.steps[-1].recompiles == probe.steps[1].recompiles, probe.steps
