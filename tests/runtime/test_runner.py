@@ -338,3 +338,42 @@ def test_broadcast_inputs_keep_their_layout_in_the_static_buffers():
         positions = (torch.arange(5.0) + batch).expand(batch, 5)
         torch.testing.assert_close(opt(x, positions), shifted(x, positions))
     assert [c.size for c in opt.report().captures] == [4, 2] and opt.report().replays == 3
+
+
+def masked_sums(x, mask):
+    return x * 2, mask.sum(-1)
+
+
+def test_each_batch_sized_input_may_have_its_own_symbol():
+    """Dynamo gives input_ids and attention_mask a symbol each: both are the batch,
+    padded together; inputs that disagree on the rows run without a graph."""
+    opt = graphopt.optimize(masked_sums, runner_config(1, cudagraph_capture_sizes=[1, 2, 4],
+                                                       cudagraph_num_of_warmups=1))
+    for batch in (2, 2, 3, 3, 3, 3):
+        x, mask = torch.randn(batch, 4), torch.ones(batch, 4)
+        torch.testing.assert_close(opt(x, mask), masked_sums(x, mask))
+    assert [c.size for c in opt.report().captures] == [2, 4] and opt.report().replays == 2
+    x, mask = torch.randn(3, 4), torch.ones(2, 4)
+    torch.testing.assert_close(opt(x, mask), masked_sums(x, mask))
+    (reason,) = opt.report().fallbacks
+    assert "the inputs sized by the batch disagree ([2, 3] rows)" in reason
+
+
+class Counter:
+    length = 0
+
+
+def add_count(x, counter):
+    counter.length += 1
+    return x + counter.length
+
+
+def test_a_number_that_changes_every_call_stops_capturing_and_says_so():
+    opt = graphopt.optimize(add_count, runner_config(1, cudagraph_num_of_warmups=1))
+    ours, theirs = Counter(), Counter()
+    for _ in range(14):
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(opt(x, ours), add_count(x, theirs))
+    (reason,) = opt.report().fallbacks
+    assert "from argument 'counter'" in reason and "took more than 8 values" in reason
+    assert opt.report().replays == 0

@@ -25,7 +25,11 @@ from ..config import GraphOptimizationConfig
 from ..report import Report
 from .capture import CapturedGraph, running_at
 from .dispatch import Dispatcher
-from .signature import Signature
+from .signature import BatchMismatch, Signature
+
+# Distinct values of a graph's non-batch symbols (a prompt length, a counter) that
+# get device graphs; a symbol taking a new value every call would capture forever.
+MAX_OTHER_VALUES = 8
 from .static_inputs import StaticInputs
 
 
@@ -44,6 +48,7 @@ class GraphRunner:
         sizes = config.cudagraph_capture_sizes
         self.dispatcher = Dispatcher(sizes, padding=signature.exact_reason is None)
         self.inputs = StaticInputs(signature, max(sizes), config.clone_input)
+        self.other_values: set[tuple] = set()
         # Graphs of one pool share memory: they must never replay at once, across runners too.
         self.lock = _pool_lock(config.graph_pool)
         self.callers: set[int] = set()
@@ -51,18 +56,30 @@ class GraphRunner:
         self._warned_held_outputs = False
 
     def __call__(self, *args: Any) -> Any:
-        batch = self.signature.batch_of(args)
+        try:
+            batch = self.signature.batch_of(args)
+        except BatchMismatch as error:
+            self.report.fallback(f"use_cudagraph: {error}; running without a device graph")
+            return self.graph(*args)
         dispatch = self.dispatcher(batch)
         if dispatch.mode == "none":
             if dispatch.reason:
                 self.report.fallback(f"use_cudagraph: {dispatch.reason}")
             return self.graph(*args)
+        other = self.signature.key_of(args)
+        if other not in self.other_values:
+            if len(self.other_values) >= MAX_OTHER_VALUES:
+                self.report.fallback(f"use_cudagraph: a size or number the graph reads ({self.signature.key_names}) "
+                                     f"took more than {MAX_OTHER_VALUES} values; new ones run without a "
+                                     "device graph, since each would need a capture of its own")
+                return self.graph(*args)
+            self.other_values.add(other)
         with self.lock:
             self.callers.add(threading.get_ident())
             static_args = self.inputs.fill(list(args), batch, dispatch.size)
             if self.handed_out and not self.config.clone_output and any(r() is not None for r in self.handed_out):
                 self._warn_held_outputs()
-            with running_at((dispatch.size or self.signature.static_batch, *self.signature.key_of(args))):
+            with running_at((dispatch.size or self.signature.static_batch, *other)):
                 outputs = self.graph(*static_args)
             return self._hand_out(outputs, batch, dispatch.size)
 

@@ -1,8 +1,8 @@
 """What the runtime knows of one compiled graph's inputs and outputs, read from
 the graph Dynamo traced (its placeholders' sources and symbolic sizes).
 
-    inputs:  static (parameter, buffer, marked static) | user | SymInt
-    batch:   the symbol of the batch dim, e.g. s0 in input_ids: [s0, 1]
+    inputs:  static (parameter, buffer, marked static) | mutated | user | SymInt
+    batch:   the symbols of the batch dims, e.g. s0 in input_ids: [s0, 1]
     outputs: which dim of each output is s0 (logits: [s0, 1, vocab] -> dim 0)
 
 Padding a batch up to a capture size is legal only when every place the batch
@@ -26,14 +26,15 @@ from .. import _compat
 
 @dataclass
 class Signature:
-    kinds: list[str]                       # per input: "static", "input" or "symint"
-    batch_dims: list[int | None]           # per input: its dim that is the batch symbol
+    kinds: list[str]                       # per input: "static", "mutated", "input" or "symint"
+    batch_dims: list[int | None]           # per input: its dim that is a batch symbol
     pads: list[float | int]                # per input: the value padded rows get
-    batch_symints: list[int]               # SymInt inputs that are the batch symbol
+    batch_symints: list[int]               # SymInt inputs that are a batch symbol
     key_symints: list[int]                 # SymInt inputs of other symbols: part of the graph key
-    out_dims: list[int | None]             # per output: its dim that is the batch symbol
+    out_dims: list[int | None]             # per output: its dim that is a batch symbol
     exact_reason: str | None = None        # why padding is illegal, or None
     static_batch: int | None = None        # a graph without a batch symbol: its fixed batch size
+    key_names: str = ""                    # where the key symbols come from, for messages
 
     @property
     def copied(self) -> list[int]:
@@ -50,26 +51,30 @@ class Signature:
         return bool(self.batch_symints) or any(d is not None for d in self.batch_dims)
 
     def batch_of(self, args: Sequence[Any]) -> int | None:
-        """This call's batch size: the batch symbol's value."""
-        if self.batch_symints:
-            return int(args[self.batch_symints[0]])
-        for i, dim in enumerate(self.batch_dims):
-            if dim is not None:
-                return args[i].shape[dim]
-        return None
+        """This call's batch size, or None without a batch symbol. Raises
+        BatchMismatch when the inputs sized by the batch disagree."""
+        sizes = {int(args[i]) for i in self.batch_symints} or \
+            {args[i].shape[dim] for i, dim in enumerate(self.batch_dims) if dim is not None}
+        if len(sizes) > 1:
+            raise BatchMismatch(f"the inputs sized by the batch disagree ({sorted(sizes)} rows)")
+        return sizes.pop() if sizes else None
 
     def key_of(self, args: Sequence[Any]) -> tuple:
         return tuple(int(args[i]) for i in self.key_symints)
 
 
+class BatchMismatch(ValueError):
+    """A call whose batch-sized inputs have different numbers of rows."""
+
+
 def signature_of(gm: torch.fx.GraphModule, dynamic_dims: Mapping[str, int] | None,
                  pad_values: Mapping[str, float | int], written: list[bool]) -> Signature:
     """Read a Dynamo graph's signature. `dynamic_dims` ({argument: dim}, None for
-    the default dim 0) picks the batch symbol; `pad_values` gives padded rows'
+    the default dim 0) picks the batch symbols; `pad_values` gives padded rows'
     values; `written[i]` says the graph writes input i in place (it is then used
     in place: a "mutated" input)."""
     inputs = _compat.graph_inputs(gm)
-    batch = _batch_symbol(inputs, dynamic_dims)
+    batch = _batch_symbols(inputs, dynamic_dims)
     kinds = ["mutated" if w and kind == "input" else kind for (kind, _, _), w in zip(inputs, written)]
     pads = [pad_values.get(name, 0) if name else 0 for _, name, _ in inputs]
     batch_dims: list[int | None] = []
@@ -79,9 +84,9 @@ def signature_of(gm: torch.fx.GraphModule, dynamic_dims: Mapping[str, int] | Non
         if kind == "symint":
             expr = _compat.symbol_of(example)
             batch_dims.append(None)
-            if batch is not None and expr == batch:
+            if expr in batch:
                 batch_symints.append(i)
-            elif batch is not None and expr is not None and batch in expr.free_symbols:
+            elif expr is not None and expr.free_symbols & batch:
                 problems.append(f"{where} is a size computed from the batch ({expr})")
             elif expr is not None:
                 key_symints.append(i)
@@ -101,11 +106,13 @@ def signature_of(gm: torch.fx.GraphModule, dynamic_dims: Mapping[str, int] | Non
             continue
         out_dims.append(None)
         expr = _compat.symbol_of(value)
-        if batch is not None and expr is not None and batch in expr.free_symbols:
+        if expr is not None and expr.free_symbols & batch:
             problems.append(f"{where} is a size computed from the batch ({expr})")
     return Signature(kinds, batch_dims, pads, batch_symints, key_symints, out_dims,
                      exact_reason=problems[0] if problems else None,
-                     static_batch=None if batch is not None else _static_batch(inputs, dynamic_dims))
+                     static_batch=None if batch else _static_batch(inputs, dynamic_dims),
+                     key_names=", ".join(sorted({f"from argument {inputs[i][1]!r}" if inputs[i][1] else
+                                                 f"input {i}" for i in key_symints})))
 
 
 def _batch_dims(inputs: list, dynamic_dims: Mapping[str, int] | None) -> list[tuple[int, Any]]:
@@ -121,13 +128,22 @@ def _batch_dims(inputs: list, dynamic_dims: Mapping[str, int] | None) -> list[tu
     return found
 
 
-def _batch_symbol(inputs: list, dynamic_dims: Mapping[str, int] | None) -> Any:
-    """The batch symbol: the size of the dynamic dim of the first user input whose one is symbolic."""
+def _batch_symbols(inputs: list, dynamic_dims: Mapping[str, int] | None) -> set:
+    """The batch symbols: the symbols of the dynamic dims. Dynamo may give each
+    input's its own (input_ids: s0, attention_mask: s1). With the default dims, a
+    dim 0 whose traced size differs from the first one's (a cache passed as an
+    argument) is not the batch; declared dims always are."""
+    symbols, first = set(), None
     for dim, example in _batch_dims(inputs, dynamic_dims):
-        expr = _compat.symbol_of(example.shape[dim])
-        if expr is not None and expr.is_Symbol:
-            return expr
-    return None
+        size = example.shape[dim]
+        expr = _compat.symbol_of(size)
+        if expr is None or not expr.is_Symbol:
+            continue
+        hint = _compat.size_hint(size)
+        first = hint if first is None else first
+        if dynamic_dims is not None or hint == first:
+            symbols.add(expr)
+    return symbols
 
 
 def _static_batch(inputs: list, dynamic_dims: Mapping[str, int] | None) -> int | None:
@@ -137,12 +153,12 @@ def _static_batch(inputs: list, dynamic_dims: Mapping[str, int] | None) -> int |
     return None
 
 
-def _batch_dim(value: torch.Tensor, batch: Any, where: str, problems: list[str]) -> int | None:
-    if batch is None:
+def _batch_dim(value: torch.Tensor, batch: set, where: str, problems: list[str]) -> int | None:
+    if not batch:
         return None
-    dims = [d for d, size in enumerate(value.shape) if _compat.symbol_of(size) == batch]
+    dims = [d for d, size in enumerate(value.shape) if _compat.symbol_of(size) in batch]
     tied = [d for d, size in enumerate(value.shape) if d not in dims and
-            (expr := _compat.symbol_of(size)) is not None and batch in expr.free_symbols]
+            (expr := _compat.symbol_of(size)) is not None and expr.free_symbols & batch]
     if len(dims) > 1 or tied:
         problems.append(f"{where} of shape {tuple(value.shape)} depends on the batch in a way "
                         "padding and slicing rows cannot undo")
