@@ -202,7 +202,7 @@ def _invalid(graph: torch.fx.Graph) -> str | None:
     try:
         graph.lint()
     except RuntimeError as error:
-        return str(error).splitlines()[0]  # the graph printed after it is in the dumps
+        return str(error).splitlines()[0]  # lint then prints the whole graph: the dumps have it
     for node in graph.nodes:
         for arg in tree_leaves((node.args, node.kwargs)):
             if isinstance(arg, torch.Tensor):
