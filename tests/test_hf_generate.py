@@ -41,7 +41,10 @@ def _decoder_config(cls: type, **extra: Any) -> Any:
 BUILDERS: dict[str, Callable[[], torch.nn.Module]] = {
     "llama": lambda: transformers.LlamaForCausalLM(_decoder_config(transformers.LlamaConfig)),
     "qwen2": lambda: transformers.Qwen2ForCausalLM(_decoder_config(transformers.Qwen2Config)),
-    "mistral": lambda: transformers.MistralForCausalLM(_decoder_config(transformers.MistralConfig)),
+    # Without a sliding window: a sliding-window cache counts tokens in a Python int
+    # that becomes a new graph input value every step (see the test below).
+    "mistral": lambda: transformers.MistralForCausalLM(_decoder_config(transformers.MistralConfig,
+                                                                       sliding_window=None)),
     # head_dim 32 while hidden/heads is 16: q/k/v are wider than the hidden size.
     "gemma": lambda: transformers.GemmaForCausalLM(_decoder_config(transformers.GemmaConfig, head_dim=32)),
     # Phi-3's default pad id (32000) lies outside a 128-token vocabulary.
@@ -177,6 +180,24 @@ def test_generate_level1_gives_eager_tokens_and_replays_every_decode_step(name: 
 
     fallbacks = report().fallbacks
     assert all(EXACT_SIZE in reason for reason in fallbacks), f"unexpected fallbacks: {dict(fallbacks)}"
+
+
+def test_mistral_sliding_window_cache_gives_eager_tokens_and_says_why_it_does_not_replay() -> None:
+    """transformers' sliding-window cache keeps a token count as a Python int, which
+    Dynamo passes to the graph as a number: a capture would freeze it, so the
+    runner gives each value its own graph, and after 8 values stops and says so."""
+    torch.manual_seed(0)
+    config = _decoder_config(transformers.MistralConfig, sliding_window=32)
+    eager = transformers.MistralForCausalLM(config).eval()
+    model = transformers.MistralForCausalLM(config).eval()
+    model.load_state_dict(eager.state_dict())
+    model.forward = graphopt.optimize(model.forward, config_for(1))
+    ids = prompt(1)
+    out = model.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="static",
+                         attention_mask=torch.ones_like(ids))
+    assert torch.equal(out, eager.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="static",
+                                           attention_mask=torch.ones_like(ids)))
+    assert any("took more than 8 values" in reason for reason in model.forward.report().fallbacks)
 
 
 # --- Llama through each way in, levels 1 and 2 -------------------------------------
