@@ -5,8 +5,8 @@ optionally compile it with Inductor, and replay it as a device graph.
 """
 
 from ._compat import register_dynamo_backend
-from .api import DynamicDims, OptimizedModule, optimize, support_graph_optimization
-from .backend import graphopt_backend
+from .api import DynamicDims, OptimizedFunction, OptimizedModule, optimize, support_graph_optimization
+from .backend import Backend, graphopt_backend
 from .config import GraphOptimizationConfig
 from .passes.fusion.replacement import fwd_only, register_replacement
 from .passes.base import PassResult
@@ -18,11 +18,13 @@ from .runtime.safety import CaptureError, CaptureProblem, check
 register_dynamo_backend("graphopt", graphopt_backend)
 
 __all__ = [
+    "Backend",
     "CaptureError",
     "CaptureProblem",
     "DeviceGraph",
     "DynamicDims",
     "GraphOptimizationConfig",
+    "OptimizedFunction",
     "OptimizedModule",
     "PassResult",
     "PassVerificationError",
