@@ -49,3 +49,29 @@ def aot_graph(fn, *args) -> AtenGraph:
 def targets(graph: AtenGraph | torch.fx.GraphModule) -> list:
     gm = graph.gm if isinstance(graph, AtenGraph) else graph
     return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def assert_close_tree(actual, expected, where: str) -> None:
+    """Every tensor of an output (a tensor, a tuple or list, a dict or transformers'
+    ModelOutput, nested) equal to eager's within the dtype's tolerance, keys and
+    container types alike; anything else exactly equal."""
+    from graphopt.config import tolerance
+
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), f"{where}: got {type(actual).__name__}, not a tensor"
+        atol, rtol = tolerance(expected.dtype)
+        torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{where}: {m}")
+    elif isinstance(expected, (tuple, list)):
+        assert isinstance(actual, type(expected)) and len(actual) == len(expected), (
+            f"{where}: got {type(actual).__name__} of {len(actual)}, eager gives "
+            f"{type(expected).__name__} of {len(expected)}")
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_close_tree(a, e, f"{where}[{i}]")
+    elif isinstance(expected, dict):  # transformers' ModelOutput is an OrderedDict
+        assert type(actual) is type(expected), (
+            f"{where}: output is {type(actual).__qualname__}, eager gives {type(expected).__qualname__}")
+        assert list(actual.keys()) == list(expected.keys()), f"{where}: output keys differ"
+        for key in expected.keys():
+            assert_close_tree(actual[key], expected[key], f"{where}.{key}")
+    else:
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import graphopt
-from graphopt.config import tolerance
+from support import assert_close_tree
 
 transformers = pytest.importorskip("transformers")
 
@@ -97,24 +97,6 @@ def _inputs(kind: str, batch: int) -> dict[str, Any]:
     return inputs
 
 
-def _assert_close(actual: Any, expected: Any, where: str) -> None:
-    """Every tensor of a ModelOutput (or tuple of them) within the dtype's tolerance."""
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), f"{where}: got {type(actual).__name__}, not a tensor"
-        atol, rtol = tolerance(expected.dtype)
-        torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{where}: {m}")
-    elif isinstance(expected, (tuple, list)):
-        assert len(actual) == len(expected), f"{where}: {len(actual)} items, eager gives {len(expected)}"
-        for i, (a, e) in enumerate(zip(actual, expected)):
-            _assert_close(a, e, f"{where}[{i}]")
-    elif isinstance(expected, transformers.utils.ModelOutput):
-        assert list(actual.keys()) == list(expected.keys()), f"{where}: output keys differ"
-        for key in expected.keys():
-            _assert_close(actual[key], expected[key], f"{where}.{key}")
-    else:
-        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
-
-
 @pytest.mark.parametrize("name", list(MODELS))
 def test_every_capture_size_captures_and_replays_with_eager_outputs(name: str) -> None:
     build, kind = MODELS[name]
@@ -131,7 +113,7 @@ def test_every_capture_size_captures_and_replays_with_eager_outputs(name: str) -
                 replays, captures = report.replays, len(report.captures)
                 where = f"{name} batch {batch} call {call} ({what})"
                 # Compared before the next call: a replay overwrites the previous outputs.
-                _assert_close(opt(**inputs), expected, where)
+                assert_close_tree(opt(**inputs), expected, where)
                 new_captures = [c.size for c in report.captures[captures:]]
                 assert new_captures == ([CAPTURE_SIZE[batch]] if what == "capture" else []), (
                     f"{where}: captured sizes {new_captures}\n{report}")

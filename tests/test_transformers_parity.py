@@ -16,6 +16,7 @@ import torch
 import graphopt
 from graphopt import _compat
 from graphopt.config import tolerance
+from support import assert_close_tree
 
 transformers = pytest.importorskip("transformers")
 
@@ -76,29 +77,6 @@ def _inputs(name: str, batch: int, seed: int) -> dict[str, Any]:
     return kwargs
 
 
-def _assert_same_output(actual: Any, expected: Any, where: str) -> None:
-    assert type(actual) is type(expected), (
-        f"{where}: output is {type(actual).__qualname__}, eager gives {type(expected).__qualname__}")
-    assert list(actual.keys()) == list(expected.keys()), f"{where}: output keys differ"
-    for key in expected.keys():
-        _assert_close_tree(actual[key], expected[key], f"{where}: {key}")
-
-
-def _assert_close_tree(actual: Any, expected: Any, where: str) -> None:
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), f"{where}: got {type(actual).__name__}, not a tensor"
-        atol, rtol = tolerance(expected.dtype)
-        torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{where}: {m}")
-    elif isinstance(expected, (tuple, list)):
-        assert isinstance(actual, type(expected)) and len(actual) == len(expected), (
-            f"{where}: got {type(actual).__name__} of {len(actual)}, eager gives "
-            f"{type(expected).__name__} of {len(expected)}")
-        for i, (a, e) in enumerate(zip(actual, expected)):
-            _assert_close_tree(a, e, f"{where}[{i}]")
-    else:
-        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
-
-
 def _optimize(model: torch.nn.Module, level: int) -> graphopt.OptimizedModule:
     # use_cudagraph=False: the device-graph runtime is not built yet.
     config = graphopt.GraphOptimizationConfig(graph_opt_level=level, use_cudagraph=False)
@@ -127,7 +105,7 @@ def test_parity_with_eager(name: str, level: int) -> None:
             expected = model(**kwargs)
             actual = opt(**kwargs)
         assert tuple(expected.keys()) == MODELS[name][2], f"eager {name} gives keys {list(expected.keys())}"
-        _assert_same_output(actual, expected, f"{name} L{level} batch={batch}")
+        assert_close_tree(actual, expected, f"{name} L{level} batch={batch}")
 
     report = opt.report()
     assert not report.fallbacks, f"unexpected fallbacks: {dict(report.fallbacks)}"
@@ -180,7 +158,7 @@ def test_llama_left_padded_batch_level1() -> None:
         torch.testing.assert_close(actual.logits[real], expected.logits[real], atol=atol, rtol=rtol,
                                    msg=lambda m: f"{where}, non-padded positions: {m}")
         assert torch.isfinite(expected.logits).all(), f"{where}: eager is not finite on padded positions"
-        _assert_same_output(actual, expected, where)
+        assert_close_tree(actual, expected, where)
 
     report = opt.report()
     assert len(report.graphs) <= 2, f"{len(report.graphs)} graphs for 2 batch sizes:\n{report}"

@@ -28,7 +28,7 @@ from .lowering import lower_to_bindings
 from .passes.fusion import fused_op_counts
 from .passes.manager import PassManager, check_pass_names
 from .passes.memory_plan import memory_record
-from .report import GraphRecord, PieceRecord, Report
+from .report import GraphRecord, Report
 
 # Graphs each Backend may add to Dynamo's per-function recompile limit: batch size 1
 # (specialised), the dynamic graph, and recompiles after guarded changes.
