@@ -70,9 +70,9 @@ class _Entry:
 
 class CapturedGraph:
     def __init__(self, fn: Callable, record: PieceRecord, config: GraphOptimizationConfig, report: Report,
-                 pool: Pool, static: list[bool] | None = None):
+                 pool: Pool, static: list[bool]):
         """`static[i]`: argument i must be the captured tensor itself, else the
-        graph is captured again (None: the GraphRunner sets it once it knows)."""
+        graph is captured again."""
         self.fn = fn
         self.static = static
         self.record = record
@@ -165,12 +165,6 @@ class CapturedGraph:
         if isinstance(getattr(self.pool.handle, "nbytes", None), int):
             return self.pool.handle.nbytes
         return max((e.graph.nbytes for e in self.entries.values() if e.graph is not None), default=0)
-
-    def reset(self) -> None:
-        for entry in self.entries.values():
-            if entry.graph is not None:
-                entry.graph.reset()
-        self.entries.clear()
 
 
 def _device(args: tuple) -> torch.device:
