@@ -1,18 +1,23 @@
 """The `graphopt` command line. `graphopt demo` generates tokens with the reference
-decoder at each graph_opt_level and prints their speed next to eager's."""
+decoder at each graph_opt_level and prints their speed next to eager's; `graphopt
+bench` times named workloads for every contender (eager, torch.compile, graphopt's
+levels with and without device graphs, ONNX Runtime) and writes the figures."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from . import bench
 from .api import optimize
 from .config import GRAPH_OPT_LEVELS, GraphOptimizationConfig
 from .models import Decoder, DecoderConfig, generate
@@ -170,7 +175,65 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     demo.add_argument("--threads", type=_int_in(1), default=None, metavar="N",
                       help="torch threads (default: torch's choice; 1 is steadiest on a shared machine)")
     demo.add_argument("--verbose", "-v", action="store_true", help="print each level's report summary")
+    _bench_parser(commands)
     return parser, demo
+
+
+def _names(allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    """Comma-separated names, each one of `allowed`; duplicates dropped."""
+    def parse(text: str) -> list[str]:
+        names = list(dict.fromkeys(part.strip() for part in text.split(",")))
+        wrong = [name for name in names if name not in allowed]
+        if wrong:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, wrong))}; choose from "
+                                             f"{', '.join(allowed)}")
+        return names
+
+    return parse
+
+
+def _bench_parser(commands: argparse._SubParsersAction) -> None:
+    keys = list(dict.fromkeys(c.key for device in ("cpu", "cuda") for c in bench.contenders(device)))
+    parser = commands.add_parser(
+        "bench", help="time named workloads for every contender and write a table, a JSON and a plot",
+        description="Where graphopt stands on this machine: each workload run by eager, torch.compile, "
+                    "graphopt levels 0-2 with and without device graphs, and ONNX Runtime (when installed), "
+                    "timed in interleaved rounds in one process, every output checked against eager's; "
+                    "start-up (cold and warm) and peak memory in fresh processes.")
+    parser.add_argument("--workloads", type=_names(list(bench.WORKLOADS)), default=list(bench.WORKLOADS),
+                        metavar="W,...", help=f"workloads to run: {', '.join(bench.WORKLOADS)} (default: all)")
+    parser.add_argument("--contenders", type=_names(keys), default=keys, metavar="C,...",
+                        help=f"contenders to run: {', '.join(keys)} (default: all; compile-ro is CUDA only)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cpu (float32, small shapes) or cuda (bfloat16, larger shapes)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: tiny shapes, 2 rounds, no start-up runs unless --startup")
+    parser.add_argument("--rounds", type=_int_in(1), default=None, metavar="R",
+                        help="interleaved timing rounds per case (default: 10, 2 with --quick)")
+    parser.add_argument("--startup", action=argparse.BooleanOptionalAction, default=None,
+                        help="measure cold and warm start-up and peak memory in fresh processes "
+                             "(default: on, off with --quick)")
+    parser.add_argument("--threads", type=_int_in(1), default=None, metavar="N",
+                        help="torch threads (default: torch's choice; 1 is steadiest on a shared machine)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/out/bench"), metavar="DIR",
+                        help="where bench.json and bench.png go (default: benchmarks/out/bench)")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the tables as Markdown (for the README's Measured section)")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("graphopt bench: --device cuda, but torch sees no CUDA device (torch.cuda.is_available() "
+              "is False); run on a GPU machine or use --device cpu", file=sys.stderr)
+        return 2
+    options = bench.Options(args.workloads, args.contenders, args.device, args.quick,
+                            args.rounds or (2 if args.quick else 10),
+                            not args.quick if args.startup is None else args.startup, torch.get_num_threads())
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=220)  # no wrapped columns in a log or a pipe
+    results = bench.run(options, console)
+    return bench.write(results, options, args.out, args.markdown, console)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -179,6 +242,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if args.command == "bench":
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        return _bench(args)
     if args.prompt_len + args.new_tokens > TINY.max_seq_len:
         demo.error(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} must be at most "
                    f"{TINY.max_seq_len} (the tiny decoder's max_seq_len)")

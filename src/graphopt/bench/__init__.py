@@ -1,0 +1,29 @@
+"""`graphopt bench`: named workloads run by every contender, timed in interleaved
+rounds, checked against eager, written as tables, JSON and a plot.
+
+workloads.py  the models (random weights from configs) and the cases each is timed on
+contenders.py eager, torch.compile, graphopt levels with and without device graphs, ONNX Runtime
+measure.py    warm-up, interleaved rounds, output checks, ratios, the GEMM floor
+startup.py    cold and warm start-up and peak memory, in fresh processes
+suite.py      each workload through every contender
+output.py     rich and Markdown tables, bench.json, bench.png
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+
+from .contenders import contenders
+from .output import present
+from .suite import Options, WorkloadResult, run, setup
+from .workloads import WORKLOADS
+
+
+def write(results: list[WorkloadResult], options: Options, out: Path, as_markdown: bool, console: Console) -> int:
+    """Print and write `results`; 1 when some contender's outputs differ from eager's."""
+    return present(results, setup(options), out, as_markdown, console)
+
+
+__all__ = ["WORKLOADS", "Options", "WorkloadResult", "contenders", "run", "write"]

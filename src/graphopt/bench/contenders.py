@@ -1,0 +1,143 @@
+"""The contenders: eager, `torch.compile`, graphopt's levels with and without
+device graphs, and ONNX Runtime when it is installed. Each one turns a workload's
+target into a step the workload's cases can call."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..api import optimize
+from ..config import GraphOptimizationConfig
+from .workloads import Step, Workload
+
+
+class Unavailable(Exception):
+    """A contender that cannot run a workload here; the message says why (one line)."""
+
+
+@dataclass(frozen=True)
+class Contender:
+    """`key` is what `--contenders` takes; `name` is what the tables show."""
+
+    key: str
+    name: str
+    kind: str                 # eager | torch.compile | graphopt | onnxruntime
+    level: int = 0
+    device_graphs: bool = False
+    mode: str | None = None   # torch.compile's mode
+
+    @property
+    def competitor(self) -> bool:
+        """Whether graphopt is measured against it (everything that is not graphopt)."""
+        return self.kind != "graphopt"
+
+
+def contenders(device: str) -> list[Contender]:
+    """Every contender, in table order, for `device`."""
+    cuda = device.startswith("cuda")
+    graphs = "CUDA graphs" if cuda else "host graphs"
+    found = [Contender("eager", "eager", "eager"), Contender("compile", "torch.compile", "torch.compile")]
+    if cuda:  # torch.compile's own CUDA graphs: the competitor to graphopt's device graphs on a GPU
+        found.append(Contender("compile-ro", "torch.compile reduce-overhead", "torch.compile",
+                               mode="reduce-overhead"))
+    for level in (0, 1, 2):
+        found.append(Contender(f"L{level}", f"graphopt L{level}", "graphopt", level))
+        found.append(Contender(f"L{level}+graphs", f"graphopt L{level} + {graphs}", "graphopt", level, True))
+    found.append(Contender("onnxruntime", "ONNX Runtime", "onnxruntime"))
+    return found
+
+
+def build(contender: Contender, workload: Workload, device: str) -> Step:
+    """`contender`'s step for `workload`; raises Unavailable with the reason when it has none."""
+    if contender.kind == "eager":
+        return workload.bind(lambda target: target)
+    if contender.kind == "torch.compile":
+        return workload.bind(lambda target: torch.compile(target, mode=contender.mode))
+    if contender.kind == "graphopt":
+        config = GraphOptimizationConfig(graph_opt_level=contender.level, use_cudagraph=contender.device_graphs,
+                                         cudagraph_capture_sizes=workload.capture_sizes)
+        return workload.bind(lambda target: optimize(target, config, pad_values=workload.pad_values))
+    if device.startswith("cuda"):
+        raise Unavailable("ONNX Runtime runs on the CPU here; left out with --device cuda")
+    if workload.onnx_unsupported:
+        raise Unavailable(f"not exportable: {workload.onnx_unsupported}")
+    try:
+        import onnx  # noqa: F401  (torch.onnx.export needs it, and onnxscript)
+        import onnxruntime
+        import onnxscript  # noqa: F401
+    except ImportError as error:
+        raise Unavailable(f"{error.name} is not installed (pip install 'graphopt[bench]')") from None
+    return workload.bind(lambda target: OnnxStep(target, onnxruntime))
+
+
+class OnnxStep:
+    """The model exported with `torch.onnx.export` and run by an ONNX Runtime CPU
+    session at ORT_ENABLE_ALL. One export per input shape, made at its first call
+    (a warm-up), so every session sees static shapes, which ORT optimizes best."""
+
+    def __init__(self, model: torch.nn.Module, onnxruntime: Any) -> None:
+        self.model, self.ort = model, onnxruntime
+        self.sessions: dict[tuple, Any] = {}
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        key = tuple((tuple(a.shape), a.dtype) for a in args)
+        if key not in self.sessions:
+            self.sessions[key] = self._session(args)
+        session = self.sessions[key]
+        feeds = {i.name: a.numpy() for i, a in zip(session.get_inputs(), args)}
+        outputs = [torch.from_numpy(o) for o in session.run(None, feeds)]
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _session(self, args: tuple[torch.Tensor, ...]) -> Any:
+        with _quiet():
+            program = torch.onnx.export(self.model, args, dynamo=True)
+        options = self.ort.SessionOptions()
+        options.graph_optimization_level = self.ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.intra_op_num_threads = torch.get_num_threads()  # the same threads as torch's contenders
+        # ORT's idle threads spin by default, which takes the cores from whichever
+        # contender runs next in the round.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+        return self.ort.InferenceSession(program.model_proto.SerializeToString(), options,
+                                         providers=["CPUExecutionProvider"])
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The exporter prints its progress and logs warnings (missing torchvision ops);
+    none of it concerns a benchmark, and it would tear the progress bar."""
+    loggers = [logging.getLogger(name) for name in ("torch.onnx", "onnxscript", "onnx_ir")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def describe(step: Step, contender: Contender) -> str:
+    """What a graphopt step's report says about its device graphs: how many were
+    captured and replayed, or that it fell back, and why."""
+    if contender.kind != "graphopt":
+        return ""
+    report_of: Callable | None = getattr(step, "report", None) or getattr(step.forward, "report", None)
+    report = report_of()
+    reasons = [reason for reason in report.fallbacks if reason.startswith("use_cudagraph")]
+    if not contender.device_graphs:
+        return f"{len(report.graphs)} graph{'s' * (len(report.graphs) != 1)}" if report.graphs else ""
+    if report.replays == 0:
+        return "fallback: " + ("; ".join(reasons) or "no device graph was replayed")
+    note = f"{len(report.captures)} captures, {report.replays} replays"
+    if report.recaptures:
+        note += f", {report.recaptures} recaptures"
+    return note + "".join(f"; partly fell back: {reason}" for reason in reasons)

@@ -1,0 +1,172 @@
+"""Timing and checking: contenders take turns in every round of one process, so
+drift on a shared machine hits them alike; each contender's output is checked
+against eager's; the decode step also gets its GEMM floor."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+from .workloads import Case, Step
+
+EAGER = "eager"
+
+
+@dataclass
+class Row:
+    """One contender on one case. `times_us` holds one figure per round: µs per run
+    of the case. The ratios are filled in by `fill_ratios` once every row is in."""
+
+    contender: str
+    competitor: bool              # not graphopt: what graphopt is measured against
+    times_us: list[float]
+    outputs_equal: bool
+    max_diff: float
+    note: str = ""
+    warmup_s: float = 0.0                     # the warm-up calls together: compiling and capturing
+    vs_eager: float = float("nan")            # eager's time / this one's: > 1 is faster than eager
+    vs_competitor: float = float("nan")       # the best competitor's time / this one's
+    vs_floor: float | None = None             # this time / the GEMM floor: >= 1, 1 is the floor
+
+    @property
+    def median_us(self) -> float:
+        return statistics.median(self.times_us)
+
+    @property
+    def best_us(self) -> float:
+        return min(self.times_us)
+
+
+@dataclass
+class CaseResult:
+    case: str
+    unit: str
+    items: int                    # tokens, images or sequences per run
+    rows: list[Row] = field(default_factory=list)
+    floor_us: float | None = None
+    floor_how: str = ""
+    best_competitor: str = ""
+
+
+def tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """(rtol, atol) for comparing a contender's output with eager's: compilers
+    reorder float reductions, so float outputs agree to rounding, not bitwise."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return 3e-2, 3e-2
+    if dtype.is_floating_point:
+        return 1e-3, 1e-4
+    return 0.0, 0.0
+
+
+def compare(output: Any, reference: Any) -> tuple[bool, float]:
+    """(equal within `tolerance`, largest absolute difference) of two output trees."""
+    ours, theirs = tree_leaves(output), tree_leaves(reference)
+    if len(ours) != len(theirs):
+        return False, float("inf")
+    equal, worst = True, 0.0
+    for a, b in zip(ours, theirs):
+        if not isinstance(b, torch.Tensor):
+            equal &= a == b
+            continue
+        a = a.to(b.device)
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False, float("inf")
+        if a.numel():
+            worst = max(worst, (a.double() - b.double()).abs().max().item())
+        rtol, atol = tolerance(b.dtype)
+        equal &= torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
+    return bool(equal), worst
+
+
+def fill_ratios(result: CaseResult) -> None:
+    """Ratios of medians: against eager, against the fastest competitor whose outputs
+    match eager's (a wrong answer sets no bar), and against the GEMM floor."""
+    by_name = {row.contender: row for row in result.rows}
+    eager = by_name[EAGER].median_us
+    competitors = [row for row in result.rows if row.competitor and row.outputs_equal]
+    best = min(competitors, key=lambda row: row.median_us)
+    result.best_competitor = best.contender
+    for row in result.rows:
+        row.vs_eager = eager / row.median_us
+        row.vs_competitor = best.median_us / row.median_us
+        row.vs_floor = row.median_us / result.floor_us if result.floor_us else None
+
+
+def _clone(output: Any) -> Any:
+    # A device graph's next replay overwrites its outputs; keep this run's.
+    return tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, output)
+
+
+def warm_up(run: Callable[[], Any], warmups: int, tick: Callable[[str], None]) -> Any:
+    """Call `run` (a contender's run of a case) `warmups` times, which compiles and
+    captures, and return the last output: a replay, once device graphs are captured."""
+    with torch.inference_mode():
+        for i in range(warmups):
+            tick(f"warm-up {i + 1}/{warmups}")
+            output = _clone(run())
+    return output
+
+
+def interleaved_rounds(runs: dict[str, Callable[[], Any]], rounds: int, device: str, target_s: float,
+                       tick: Callable[[str], None]) -> dict[str, list[float]]:
+    """µs per call of each run, one figure per round; in every round each run takes
+    its turn. Each figure averages enough calls that the first run (eager) takes
+    about `target_s` per round."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    with torch.inference_mode():
+        calls = max(1, round(target_s / max(_seconds(next(iter(runs.values())), sync), 1e-6)))
+        for i in range(rounds):
+            for name, run in runs.items():
+                tick(f"round {i + 1}/{rounds}: {name}")
+                times[name].append(_seconds(run, sync, calls) * 1e6)
+    return times
+
+
+def _seconds(run: Callable[[], Any], sync: Callable[[], None], runs: int = 1) -> float:
+    """Seconds per call of `run`, averaged over `runs` calls."""
+    sync()
+    start = time.perf_counter()
+    for _ in range(runs):
+        run()
+    sync()
+    return (time.perf_counter() - start) / runs
+
+
+def gemm_floor(case: Case, device: str) -> tuple[Step | None, float | None, str]:
+    """The decode step's GEMM floor: (a step to time in the rounds, or a time in µs,
+    and how it was found). On CPU the floor is the step's linears alone, one `mm`
+    each into a preallocated output; on CUDA decoding is bound by reading the weights,
+    so the floor is weight bytes / the HBM bandwidth of a large device copy."""
+    weights = case.gemm_weights
+    if not weights:
+        return None, None, ""
+    if device.startswith("cuda"):
+        nbytes = sum(w.numel() * w.element_size() for w in weights)
+        bandwidth = hbm_bandwidth(device)
+        return None, nbytes / bandwidth * 1e6, (f"{nbytes / 2**20:.0f} MiB of linear weights / "
+                                                f"{bandwidth / 1e9:.0f} GB/s measured HBM bandwidth")
+    inputs = [torch.randn(case.gemm_batch, w.shape[1], dtype=w.dtype) for w in weights]
+    outputs = [torch.empty(case.gemm_batch, w.shape[0], dtype=w.dtype) for w in weights]
+
+    def linears() -> None:
+        for x, w, out in zip(inputs, weights, outputs):
+            torch.mm(x, w.t(), out=out)
+
+    return linears, None, f"the step's {len(weights)} linears alone, one aten mm each"
+
+
+def hbm_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
+    """Bytes per second of a device-to-device copy (it reads and writes each byte once)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    seconds = min(_seconds(lambda: dst.copy_(src), torch.cuda.synchronize, 10) for _ in range(3))
+    return 2 * nbytes / seconds

@@ -1,0 +1,78 @@
+"""Start-up time and peak memory, measured in fresh processes.
+
+`measure_startup` runs `python -m graphopt.bench.startup` twice against one new,
+empty cache directory (`GRAPHOPT_CACHE_DIR` and `TORCHINDUCTOR_CACHE_DIR` point
+into it): the first run is cold, the second finds whatever the first one cached.
+The child builds the workload, builds the contender's step, runs the workload's
+first case once and reports the seconds from its launch to that first output, and
+its peak memory: the process's peak RSS on CPU, `torch.cuda.max_memory_allocated`
+on CUDA."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+LAUNCHED_AT = "GRAPHOPT_BENCH_LAUNCHED_AT"
+
+
+def measure_startup(workload: str, contender: str, quick: bool, device: str, threads: int) -> dict[str, Any]:
+    """{"cold_s", "warm_s", "peak_mib"} of `contender` on `workload` (peak memory of
+    the cold run, which compiles), or {"error": ...} when a child failed."""
+    command = [sys.executable, "-m", "graphopt.bench.startup", workload, contender, "--device", device,
+               "--threads", str(threads)] + (["--quick"] if quick else [])
+    with tempfile.TemporaryDirectory(prefix="graphopt-bench-cache-") as cache:
+        env = {**os.environ, "GRAPHOPT_CACHE_DIR": os.path.join(cache, "graphopt"),
+               "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor")}
+        runs = []
+        for _ in ("cold", "warm"):
+            env[LAUNCHED_AT] = repr(time.time())
+            done = subprocess.run(command, env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                return {"error": f"exit {done.returncode}: {last}"}
+            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return {"cold_s": runs[0]["first_output_s"], "warm_s": runs[1]["first_output_s"],
+            "peak_mib": runs[0]["peak_mib"]}
+
+
+def _child(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="one start-up measurement (run by graphopt bench)")
+    parser.add_argument("workload")
+    parser.add_argument("contender")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    launched_at = float(os.environ[LAUNCHED_AT])
+
+    import torch
+
+    from .contenders import build, contenders
+    from .workloads import WORKLOADS, Sizes
+
+    torch.set_num_threads(args.threads)
+    contender = next(c for c in contenders(args.device) if c.key == args.contender)
+    workload = WORKLOADS[args.workload](Sizes(args.quick, args.device))
+    with torch.inference_mode():
+        output = workload.cases[0].runner(build(contender, workload, args.device))()
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    first_output_s = time.time() - launched_at
+    del output
+    if args.device.startswith("cuda"):
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    print(json.dumps({"first_output_s": first_output_s, "peak_mib": peak / 2**20}))
+
+
+if __name__ == "__main__":
+    _child()

@@ -1,0 +1,150 @@
+"""The whole benchmark: for each workload, every contender's step is built, warmed
+up and checked against eager, then all are timed in interleaved rounds, and each
+one's start-up and peak memory are measured in fresh processes."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from .contenders import Contender, Unavailable, build, contenders, describe
+from .measure import (EAGER, CaseResult, Row, compare, fill_ratios, gemm_floor, interleaved_rounds,
+                      tolerance, warm_up)
+from .startup import measure_startup
+from .workloads import WORKLOADS, Sizes
+
+# A device graph is captured after graphopt's default 2 warm-up calls, so the 4th
+# call of a case is a replay: that is the output checked against eager's.
+WARMUPS = 4
+
+
+@dataclass
+class Options:
+    workloads: list[str]
+    contenders: list[str]           # Contender keys
+    device: str = "cpu"
+    quick: bool = False
+    rounds: int = 10
+    startup: bool = True
+    threads: int = 1
+
+    @property
+    def target_s(self) -> float:
+        """About how long each contender's turn in a round takes."""
+        return 0.002 if self.quick else 0.05
+
+
+@dataclass
+class WorkloadResult:
+    name: str
+    title: str
+    cases: list[CaseResult] = field(default_factory=list)
+    startup: dict[str, dict[str, Any]] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)   # contender -> why it has no row
+
+
+def run(options: Options, console: Console) -> list[WorkloadResult]:
+    chosen = [c for c in contenders(options.device) if c.key in options.contenders]
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
+        task = progress.add_task("starting", total=0)
+        results = []
+        for name in options.workloads:
+            def tick(what: str, name: str = name) -> None:
+                progress.update(task, description=f"{name}: {what}", advance=1)
+            results.append(_workload(name, chosen, options, tick, lambda n: progress.update(
+                task, total=progress.tasks[0].total + n)))
+    return results
+
+
+def _workload(name: str, chosen: list[Contender], options: Options, tick: Callable[[str], None],
+              more: Callable[[int], None]) -> WorkloadResult:
+    sizes = Sizes(options.quick, options.device)
+    workload = WORKLOADS[name](sizes)
+    result = WorkloadResult(name, workload.title)
+    steps, kinds = {}, {}
+    for contender in chosen:
+        try:
+            steps[contender.name] = build(contender, workload, options.device)
+            kinds[contender.name] = contender
+        except Unavailable as why:
+            result.skipped[contender.name] = str(why)
+    for case in workload.cases:
+        outputs, runs, warmup_s = {}, {}, {}
+        more(len(steps) * WARMUPS)
+        for contender_name, step in list(steps.items()):
+            runs[contender_name] = case.runner(step)
+            start = time.perf_counter()
+            try:
+                outputs[contender_name] = warm_up(runs[contender_name], WARMUPS,
+                                                  lambda what: tick(f"{case.name}: {contender_name}: {what}"))
+            except Exception as error:  # a contender that breaks loses its row, never the whole run
+                if contender_name == EAGER:
+                    raise
+                result.skipped[contender_name] = f"failed on {case.name}: {type(error).__name__}: " + \
+                    (str(error).strip().splitlines() or [""])[0][:200]
+                del steps[contender_name], runs[contender_name]
+                continue
+            warmup_s[contender_name] = time.perf_counter() - start
+        floor, floor_us, floor_how = gemm_floor(case, options.device)
+        if floor is not None:
+            runs["GEMM floor"] = floor
+        more(options.rounds * len(runs))
+        times = interleaved_rounds(runs, options.rounds, options.device, options.target_s,
+                                   lambda what: tick(f"{case.name}: {what}"))
+        case_result = CaseResult(case.name, case.unit, case.items,
+                                 floor_us=floor_us if floor is None else statistics.median(times.pop("GEMM floor")),
+                                 floor_how=floor_how)
+        for contender_name, step in steps.items():
+            equal, diff = (True, 0.0) if contender_name == EAGER else compare(outputs[contender_name],
+                                                                               outputs[EAGER])
+            case_result.rows.append(Row(contender_name, kinds[contender_name].competitor, times[contender_name],
+                                        equal, diff, describe(step, kinds[contender_name]),
+                                        warmup_s[contender_name]))
+        fill_ratios(case_result)
+        result.cases.append(case_result)
+    if options.startup:
+        more(2 * len(steps))
+        for contender_name in steps:
+            tick(f"start-up: {contender_name}, cold and warm, in fresh processes")
+            result.startup[contender_name] = measure_startup(name, kinds[contender_name].key, options.quick,
+                                                             options.device, options.threads)
+            tick(f"start-up: {contender_name} done")
+    return result
+
+
+def setup(options: Options) -> dict[str, Any]:
+    """What the figures were measured on and with."""
+    found: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": options.device, "device_name": _device_name(options.device), "threads": options.threads,
+        "quick": options.quick, "rounds": options.rounds, "warmups": WARMUPS, "python": platform.python_version(),
+        "torch": torch.__version__, "workloads": options.workloads, "contenders": options.contenders,
+        "tolerance": {str(d): tolerance(d) for d in (torch.float32, torch.bfloat16)},
+        "statistic": "median of rounds (best also given); ratios of medians",
+    }
+    for package in ("transformers", "onnxruntime", "onnx"):
+        try:
+            found[package] = __import__(package).__version__
+        except ImportError:
+            found[package] = None
+    return found
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()

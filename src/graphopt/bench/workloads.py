@@ -1,0 +1,223 @@
+"""The workloads `graphopt bench` runs: each one a model built from a config with
+random weights (nothing is downloaded) and the cases it is timed on.
+
+A contender turns the workload's `target` (the model, or for `hf-llama` a copy's
+`forward`) into a step; each case runs that step the way a user would and returns
+what it computed, so every contender's output can be checked against eager's."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from ..models import Decoder, DecoderConfig, ResNet, ResNetConfig
+
+Step = Callable[..., Any]
+
+
+@dataclass
+class Case:
+    """One timed unit of work: `call(step, inputs)` calls the step (once, or a whole
+    stream or generate()) and returns its output. `items` is how many tokens, images
+    or sequences one run produces, for throughput."""
+
+    name: str
+    inputs: Any
+    call: Callable[[Step, Any], Any]
+    items: int
+    unit: str
+    gemm_weights: list[torch.Tensor] = field(default_factory=list)  # set for a decode step: its GEMM floor
+    gemm_batch: int = 0
+
+    def runner(self, step: Step) -> Callable[[], Any]:
+        """One run of this case by `step`, on its own copy of the inputs: graphopt
+        marks the batch dim of the tensors it is given as dynamic, and a plain
+        torch.compile handed those same tensors would then compile again."""
+        inputs = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, self.inputs)
+        return lambda: self.call(step, inputs)
+
+
+@dataclass
+class Workload:
+    """A model and its cases. `bind(wrap)` gives a contender's step: `wrap` applied
+    to the model (the default) or, for a model whose `forward` users replace (the
+    transformers idiom), to a fresh copy's `forward`."""
+
+    name: str
+    title: str
+    model: nn.Module
+    cases: list[Case]
+    capture_sizes: list[int]
+    pad_values: dict[str, int] = field(default_factory=dict)
+    exact: bool = False                  # outputs are tokens: equal, not close
+    onnx_unsupported: str | None = None  # why ONNX Runtime cannot run it, when it cannot
+    wraps_forward: bool = False
+
+    def bind(self, wrap: Callable[[Callable], Step]) -> Step:
+        """A contender's step. Every contender gets its own copy of the model (same
+        weights, own KV cache), so one contender's compiled graphs, guards and cache
+        writes never meet another's."""
+        model = copy.deepcopy(self.model)
+        if self.wraps_forward:
+            model.forward = wrap(model.forward)
+            return model
+        return wrap(model)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How big a run is: `quick` (CI smoke), the CPU default, or `--device cuda`."""
+
+    quick: bool
+    device: str
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.cuda else torch.float32
+
+    def pick(self, quick: Any, cpu: Any, cuda: Any) -> Any:
+        return quick if self.quick else cuda if self.cuda else cpu
+
+
+def _call(step: Step, inputs: tuple) -> Any:
+    return step(*inputs)
+
+
+def _manual_seed(seed: int) -> torch.Generator:
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
+
+
+def decoder(sizes: Sizes) -> Workload:
+    """The reference decoder: a mixed stream of decode batch sizes (what a serving
+    engine's scheduler produces), and the decode step alone at batch 1 and 16."""
+    generator = _manual_seed(0)
+    config = sizes.pick(DecoderConfig.tiny(), DecoderConfig.tiny(),
+                        DecoderConfig.bench(dtype=torch.bfloat16, max_num_seqs=32))
+    model = Decoder(config).eval().to(sizes.device)
+    segments, steps = sizes.pick((3, 2), (8, 4), (16, 8))
+    batches = [int(b) for b in torch.randint(1, 17, (segments,), generator=generator)]
+    stream = [(torch.randint(0, config.vocab_size, (steps, b), generator=generator).to(sizes.device),
+               torch.arange(b, device=sizes.device)) for b in batches]
+
+    def run_stream(step: Step, stream: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        last = []
+        for ids, slots in stream:
+            for position, row in enumerate(ids):
+                logits = step(row, torch.full_like(row, position), slots)
+            last.append(logits.clone())  # a device graph's output is overwritten by its next replay
+        return last
+
+    cases = [Case(f"stream of batches {','.join(map(str, batches))} x {steps} steps", stream, run_stream,
+                  sum(batches) * steps, "tokens")]
+    linears = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    for batch in (1, 16):
+        inputs = (torch.randint(0, config.vocab_size, (batch,), generator=generator).to(sizes.device),
+                  torch.full((batch,), 7, device=sizes.device), torch.arange(batch, device=sizes.device))
+        cases.append(Case(f"decode step, batch {batch}", inputs, _call, batch, "tokens",
+                          gemm_weights=linears, gemm_batch=batch))
+    title = (f"reference decoder: hidden {config.hidden_size}, {config.num_layers} layers, "
+             f"{config.num_heads}/{config.num_kv_heads} heads, vocab {config.vocab_size}, {config.dtype}")
+    return Workload("decoder", title, model, cases, capture_sizes=[1, 2, 4, 8, 16],
+                    pad_values={"slots": model.scratch_slot},
+                    onnx_unsupported="its step writes the KV cache buffers in place, and an exported "
+                                     "ONNX graph keeps no state between runs")
+
+
+def hf_llama(sizes: Sizes) -> Workload:
+    """transformers' generate() on a random-weight LlamaForCausalLM, greedy, with a
+    static cache: `model.forward` replaced, as transformers documents."""
+    import transformers
+
+    _manual_seed(0)
+    hidden, layers, vocab = sizes.pick((64, 2, 512), (256, 4, 2048), (1024, 8, 32000))
+    prompt_len, new_tokens = sizes.pick((8, 4), (16, 32), (64, 128))
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=8,
+        num_key_value_heads=4, intermediate_size=2 * hidden, max_position_embeddings=prompt_len + new_tokens,
+        bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    model = transformers.LlamaForCausalLM(config).eval().to(sizes.device, sizes.dtype)
+    generator = torch.Generator().manual_seed(1)
+
+    def run(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        # min_new_tokens: random weights may predict eos; every call decodes the same count.
+        # disable_compile: on CUDA generate() would otherwise compile forward itself, eager included.
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
+                              disable_compile=True)
+
+    cases = []
+    for batch in sizes.pick((2,), (1, 8), (1, 8)):
+        ids = torch.randint(2, vocab, (batch, prompt_len), generator=generator).to(sizes.device)
+        cases.append(Case(f"generate(), batch {batch}", ids, run, batch * new_tokens, "tokens"))
+    title = (f"transformers generate(): random LlamaForCausalLM, hidden {hidden}, {layers} layers, "
+             f"8/4 heads, vocab {vocab}, prompt {prompt_len}, {new_tokens} new tokens, greedy, static cache")
+    return Workload("hf-llama", title, model, cases, capture_sizes=sorted({1, 2, 8}), exact=True,
+                    wraps_forward=True,
+                    onnx_unsupported="generate() is a Python loop over a StaticCache, not one graph")
+
+
+def resnet(sizes: Sizes) -> Workload:
+    """graphopt's small ResNet (convolutions, batch norm, residual adds)."""
+    _manual_seed(0)
+    config = sizes.pick(ResNetConfig.tiny(), ResNetConfig.tiny(),
+                        ResNetConfig(image_size=224, in_channels=3, stem_channels=64,
+                                     stage_channels=(64, 128, 256, 512), blocks_per_stage=2,
+                                     num_classes=1000, dtype=torch.bfloat16))
+    model = ResNet(config).eval().to(sizes.device)
+    generator = torch.Generator().manual_seed(1)
+    cases = []
+    for batch in sizes.pick((4,), (1, 8), (1, 32)):
+        images = torch.randn(batch, config.in_channels, config.image_size, config.image_size,
+                             generator=generator).to(sizes.device, config.dtype)
+        cases.append(Case(f"batch {batch}", (images,), _call, batch, "images"))
+    title = (f"ResNet: {config.image_size}x{config.image_size} images, channels {config.stage_channels}, "
+             f"{config.blocks_per_stage} block(s) per stage, {config.dtype}")
+    return Workload("resnet", title, model, cases, capture_sizes=[c.items for c in cases])
+
+
+class BertEncoder(nn.Module):
+    """A transformers BertModel that returns its last hidden state, one tensor, so
+    every contender (ONNX Runtime too) gives an output of the same form."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        import transformers
+
+        self.bert = transformers.BertModel(config, add_pooling_layer=False)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def bert(sizes: Sizes) -> Workload:
+    """A small random-weight transformers BertModel encoder."""
+    import transformers
+
+    _manual_seed(0)
+    hidden, layers, heads, seq = sizes.pick((64, 2, 4, 16), (128, 2, 4, 32), (768, 12, 12, 128))
+    config = transformers.BertConfig(vocab_size=1000, hidden_size=hidden, num_hidden_layers=layers,
+                                     num_attention_heads=heads, intermediate_size=4 * hidden,
+                                     max_position_embeddings=max(seq, 64))
+    model = BertEncoder(config).eval().to(sizes.device, sizes.dtype)
+    generator = torch.Generator().manual_seed(1)
+    cases = []
+    for batch in sizes.pick((2,), (1, 8), (1, 32)):
+        ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator).to(sizes.device)
+        cases.append(Case(f"batch {batch}", (ids, torch.ones_like(ids)), _call, batch, "sequences"))
+    title = f"BERT encoder: hidden {hidden}, {layers} layers, {heads} heads, sequence {seq}, {sizes.dtype}"
+    return Workload("bert", title, model, cases, capture_sizes=[c.items for c in cases])
+
+
+WORKLOADS: dict[str, Callable[[Sizes], Workload]] = {
+    "decoder": decoder, "hf-llama": hf_llama, "resnet": resnet, "bert": bert}
