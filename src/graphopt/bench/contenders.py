@@ -135,9 +135,9 @@ def describe(step: Step, contender: Contender) -> str:
     reasons = [reason for reason in report.fallbacks if reason.startswith("use_cudagraph")]
     if not contender.device_graphs:
         return f"{len(report.graphs)} graph{'s' * (len(report.graphs) != 1)}" if report.graphs else ""
-    if report.replays == 0:
-        return "fallback: " + ("; ".join(reasons) or "no device graph was replayed")
     note = f"{len(report.captures)} captures, {report.replays} replays"
     if report.recaptures:
         note += f", {report.recaptures} recaptures"
+    if report.replays == 0:  # every call ran without a device graph
+        return f"fallback ({note}): " + ("; ".join(reasons) or "no device graph was replayed")
     return note + "".join(f"; partly fell back: {reason}" for reason in reasons)

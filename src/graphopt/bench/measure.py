@@ -58,7 +58,7 @@ def tolerance(dtype: torch.dtype) -> tuple[float, float]:
     """(rtol, atol) for comparing a contender's output with eager's: compilers
     reorder float reductions, so float outputs agree to rounding, not bitwise."""
     if dtype in (torch.float16, torch.bfloat16):
-        return 3e-2, 3e-2
+        return 5e-2, 5e-2
     if dtype.is_floating_point:
         return 1e-3, 1e-4
     return 0.0, 0.0
@@ -144,7 +144,7 @@ def gemm_floor(case: Case, device: str) -> tuple[Step | None, float | None, str]
     and how it was found). On CPU the floor is the step's linears alone, one `mm`
     each into a preallocated output; on CUDA decoding is bound by reading the weights,
     so the floor is weight bytes / the HBM bandwidth of a large device copy."""
-    weights = case.gemm_weights
+    weights = [w.detach() for w in case.gemm_weights]
     if not weights:
         return None, None, ""
     if device.startswith("cuda"):

@@ -20,7 +20,7 @@ from .contenders import Contender, Unavailable, build, contenders, describe
 from .measure import (EAGER, CaseResult, Row, compare, fill_ratios, gemm_floor, interleaved_rounds,
                       tolerance, warm_up)
 from .startup import measure_startup
-from .workloads import WORKLOADS, Sizes
+from .workloads import WORKLOADS, Case, Sizes, Step
 
 # A device graph is captured after graphopt's default 2 warm-up calls, so the 4th
 # call of a case is a replay: that is the output checked against eager's.
@@ -68,50 +68,17 @@ def run(options: Options, console: Console) -> list[WorkloadResult]:
 
 def _workload(name: str, chosen: list[Contender], options: Options, tick: Callable[[str], None],
               more: Callable[[int], None]) -> WorkloadResult:
-    sizes = Sizes(options.quick, options.device)
-    workload = WORKLOADS[name](sizes)
+    workload = WORKLOADS[name](Sizes(options.quick, options.device))
     result = WorkloadResult(name, workload.title)
-    steps, kinds = {}, {}
+    steps, kinds = {}, {c.name: c for c in chosen}
     for contender in chosen:
         try:
             steps[contender.name] = build(contender, workload, options.device)
-            kinds[contender.name] = contender
         except Unavailable as why:
             result.skipped[contender.name] = str(why)
     for case in workload.cases:
-        outputs, runs, warmup_s = {}, {}, {}
-        more(len(steps) * WARMUPS)
-        for contender_name, step in list(steps.items()):
-            runs[contender_name] = case.runner(step)
-            start = time.perf_counter()
-            try:
-                outputs[contender_name] = warm_up(runs[contender_name], WARMUPS,
-                                                  lambda what: tick(f"{case.name}: {contender_name}: {what}"))
-            except Exception as error:  # a contender that breaks loses its row, never the whole run
-                if contender_name == EAGER:
-                    raise
-                result.skipped[contender_name] = f"failed on {case.name}: {type(error).__name__}: " + \
-                    (str(error).strip().splitlines() or [""])[0][:200]
-                del steps[contender_name], runs[contender_name]
-                continue
-            warmup_s[contender_name] = time.perf_counter() - start
-        floor, floor_us, floor_how = gemm_floor(case, options.device)
-        if floor is not None:
-            runs["GEMM floor"] = floor
-        more(options.rounds * len(runs))
-        times = interleaved_rounds(runs, options.rounds, options.device, options.target_s,
-                                   lambda what: tick(f"{case.name}: {what}"))
-        case_result = CaseResult(case.name, case.unit, case.items,
-                                 floor_us=floor_us if floor is None else statistics.median(times.pop("GEMM floor")),
-                                 floor_how=floor_how)
-        for contender_name, step in steps.items():
-            equal, diff = (True, 0.0) if contender_name == EAGER else compare(outputs[contender_name],
-                                                                               outputs[EAGER])
-            case_result.rows.append(Row(contender_name, kinds[contender_name].competitor, times[contender_name],
-                                        equal, diff, describe(step, kinds[contender_name]),
-                                        warmup_s[contender_name]))
-        fill_ratios(case_result)
-        result.cases.append(case_result)
+        result.cases.append(_case(case, steps, kinds, options, result.skipped,
+                                  lambda what: tick(f"{case.name}: {what}"), more))
     if options.startup:
         more(2 * len(steps))
         for contender_name in steps:
@@ -119,6 +86,42 @@ def _workload(name: str, chosen: list[Contender], options: Options, tick: Callab
             result.startup[contender_name] = measure_startup(name, kinds[contender_name].key, options.quick,
                                                              options.device, options.threads)
             tick(f"start-up: {contender_name} done")
+    return result
+
+
+def _case(case: Case, steps: dict[str, Step], kinds: dict[str, Contender], options: Options,
+          skipped: dict[str, str], tick: Callable[[str], None], more: Callable[[int], None]) -> CaseResult:
+    """Warm up and check every step on `case`, then time them all in interleaved
+    rounds. A step that raises loses its row here and in later cases (removed from
+    `steps`), and `skipped` says why."""
+    outputs, runs, warmup_s = {}, {}, {}
+    more(len(steps) * WARMUPS)
+    for name, step in list(steps.items()):
+        runs[name] = case.runner(step)
+        start = time.perf_counter()
+        try:
+            outputs[name] = warm_up(runs[name], WARMUPS, lambda what: tick(f"{name}: {what}"))
+        except Exception as error:  # a contender that breaks loses its row, never the whole run
+            if name == EAGER:
+                raise
+            first_line = (str(error).strip().splitlines() or [""])[0][:200]
+            skipped[name] = f"failed on {case.name}: {type(error).__name__}: {first_line}"
+            del steps[name], runs[name]
+            continue
+        warmup_s[name] = time.perf_counter() - start
+    floor, floor_us, floor_how = gemm_floor(case, options.device)
+    if floor is not None:
+        runs["GEMM floor"] = floor
+    more(options.rounds * len(runs))
+    times = interleaved_rounds(runs, options.rounds, options.device, options.target_s, tick)
+    if floor is not None:
+        floor_us = statistics.median(times.pop("GEMM floor"))
+    result = CaseResult(case.name, case.unit, case.items, floor_us=floor_us, floor_how=floor_how)
+    for name, step in steps.items():
+        equal, diff = (True, 0.0) if name == EAGER else compare(outputs[name], outputs[EAGER])
+        result.rows.append(Row(name, kinds[name].competitor, times[name], equal, diff,
+                               describe(step, kinds[name]), warmup_s[name]))
+    fill_ratios(result)
     return result
 
 
