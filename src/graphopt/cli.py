@@ -193,7 +193,7 @@ def _names(allowed: Sequence[str]) -> Callable[[str], list[str]]:
 
 
 def _bench_parser(commands: argparse._SubParsersAction) -> None:
-    keys = list(dict.fromkeys(c.key for device in ("cpu", "cuda") for c in bench.contenders(device)))
+    keys = [c.key for c in bench.contenders("cuda")]  # every contender; compile-ro exists on CUDA only
     parser = commands.add_parser(
         "bench", help="time named workloads for every contender and write a table, a JSON and a plot",
         description="Where graphopt stands on this machine: each workload run by eager, torch.compile, "
