@@ -1,13 +1,19 @@
 """Shared fixtures: GPU-only tests skip without CUDA; Dynamo's caches are reset
-between tests so one test's graphs and recompile counts never leak into another."""
+between tests so one test's graphs and recompile counts never leak into another,
+and graphopt's compile cache is off unless a test turns it on (tests/test_cache.py),
+so no test reads what an earlier run stored."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 import torch._dynamo
 
 from graphopt.models import Decoder, DecoderConfig
+
+os.environ["GRAPHOPT_CACHE_DIR"] = ""
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,10 +7,11 @@ signature moved, so an upgrade breaks this file and no other.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch._dynamo
@@ -384,3 +385,41 @@ def inplace_overload(op: Any) -> Any:
         return _maybe_get_inplace_op(op)
     except AssertionError:  # several candidate overloads, or an odd schema: no answer
         return None
+
+
+# --- the compile cache (cache.py): graph targets by name ---------------------------------
+
+
+@contextlib.contextmanager
+def real_tensors() -> Iterator[None]:
+    """No fake mode and no tracing context: `torch.load` makes meta tensors while a
+    tracing context holds a fake mode, as it does inside a backend."""
+    from torch._guards import tracing
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with tracing(None), unset_fake_temporarily():
+        yield
+
+
+def qualified_name(target: Any) -> str:
+    """The dotted name FX writes for a call_function target in generated code."""
+    from torch.fx.node import _get_qualified_name
+
+    return _get_qualified_name(target)
+
+
+def object_by_name(name: str) -> Any:
+    """The object a dotted name such as `torch._C._VariableFunctions.narrow` or
+    `operator.getitem` stands for: the longest importable module, then attributes."""
+    import importlib
+
+    parts = name.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            value = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for attribute in parts[split:]:
+            value = getattr(value, attribute)
+        return value
+    raise ImportError(f"no module found for {name!r}")

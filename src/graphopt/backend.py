@@ -13,19 +13,20 @@ wrapping the compiled graph, so Dynamo's guards run before every replay.
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import json
 import time
-from pathlib import Path
+from collections import Counter
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx
 
-from . import _compat
+from . import _compat, cache
 from .config import GraphOptimizationConfig
 from .lowering import lower_to_bindings
 from .passes.fusion import fused_op_counts
+from .passes.fusion.replacement import USER_PATTERNS
 from .passes.manager import PassManager, check_pass_names
 from .passes.memory_plan import memory_record
 from .report import GraphRecord, Report
@@ -35,11 +36,12 @@ from .report import GraphRecord, Report
 RECOMPILE_BUDGET = 8
 
 
-def inductor_options(device_type: str) -> dict[str, Any]:
+def inductor_options(device_type: str, cached: bool) -> dict[str, Any]:
     """The Inductor settings graphopt uses at level 2 (measured: README, "Level 2")."""
     options: dict[str, Any] = {
-        # graphopt's report must describe every graph: a cache hit would skip the passes.
-        "fx_graph_cache": False,
+        # Without graphopt's cache a hit in Inductor's would skip the passes and leave
+        # the report without them; with it, graphopt's cache holds their records.
+        "fx_graph_cache": cached,
     }
     if device_type == "cpu":
         # A C++ wrapper instead of a Python one: the decode step of the tiny decoder
@@ -74,6 +76,7 @@ class Backend:
         # batch size finds that graph, so callers can stop marking dynamic dims.
         self.compiled_dynamic = False
         self._levels: dict[str, int] = {}
+        self._cache = cache.CompileCache(self.config.cache_dir, self._report) if self.config.cache_dir else None
         _compat.allow_recompiles(RECOMPILE_BUDGET)
         _compat.on_recompile_limit(self._gave_up)
 
@@ -141,7 +144,7 @@ class Backend:
         return GraphRunner(split_gm, signature, captured, self.config, self._report)
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], level: int) -> Callable:
-        """Compile one Dynamo graph (or piece of one) at `level`."""
+        """Compile one Dynamo graph (or piece of one) at `level`, through the compile cache."""
         if level == 0:
             return gm.forward
         record = GraphRecord(index=len(self._report.graphs))
@@ -151,22 +154,51 @@ class Backend:
         start = time.perf_counter()
         if level == 1:
             def fw_compiler(aot_gm: torch.fx.GraphModule, _fake_inputs: list) -> Callable:
-                self._optimize(aot_gm, record, real_inputs, kinds)
-                return _compat.boxed(lower_to_bindings(aot_gm))
+                key = self._cache_key(aot_gm, [n.meta.get("val") for n in aot_gm.graph.find_nodes(op="placeholder")])
+                stored = self._cache_load(key)
+                if stored is not None:
+                    self._restore(stored, record)
+                    return _compat.boxed(cache.load_graph(stored["lowered"]))
+                records = self._optimize(aot_gm, record, real_inputs, kinds)
+                lowered = lower_to_bindings(aot_gm)
+                self._cache_store(key, records, aot_gm, lowered)
+                return _compat.boxed(lowered)
 
             compiled = _compat.aot_inference(gm, example_inputs, fw_compiler)
         else:
-            def post_grad_pass(graph: torch.fx.Graph) -> None:
-                self._optimize(graph.owning_module, record, real_inputs, kinds)
-
-            options = inductor_options(_device_type(real_inputs))
-            compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, self._pass_uuid(), options)
+            compiled = self._compile_inductor(gm, example_inputs, record, real_inputs, kinds)
         record.compile_seconds = time.perf_counter() - start
         return compiled
 
-    def _optimize(self, gm: torch.fx.GraphModule, record: GraphRecord, inputs: list, kinds: list[str]) -> None:
+    def _compile_inductor(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], record: GraphRecord,
+                          real_inputs: list, kinds: list[str]) -> Callable:
+        """Level 2. Inductor's own caches hold the compiled code; graphopt's holds the
+        records of the passes, which a hit in Inductor's cache skips."""
+        key = self._cache_key(gm, list(example_inputs))
+        stored = self._cache_load(key)
+        optimized: list[tuple[torch.fx.GraphModule, dict]] = []
+
+        def post_grad_pass(graph: torch.fx.Graph) -> None:
+            optimized.append((graph.owning_module, self._optimize(graph.owning_module, record, real_inputs, kinds)))
+
+        options = inductor_options(_device_type(real_inputs), cached=key is not None)
+        compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, self._pass_uuid(), options)
+        if key is not None and not optimized and stored is None:
+            # Inductor's cache had the code but graphopt's records are gone: compile once more for them.
+            options["force_disable_caches"] = True
+            compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, self._pass_uuid(), options)
+        if optimized:
+            self._cache_store(key, optimized[-1][1], optimized[-1][0])
+        elif stored is not None:
+            self._restore(stored, record)
+        return compiled
+
+    def _optimize(self, gm: torch.fx.GraphModule, record: GraphRecord, inputs: list, kinds: list[str]) -> dict:
         """Run the level's passes on the ATen graph `gm`, whose placeholders take
-        `inputs` (real tensors; `kinds` says which are parameters and buffers)."""
+        `inputs` (real tensors; `kinds` says which are parameters and buffers).
+        Returns the report records it added, for the compile cache."""
+        report = self._report
+        first_pass, first_plan, fallbacks_before = len(report.passes), len(report.memory), Counter(report.fallbacks)
         record.nodes_before = _count_ops(gm.graph)
         gm.meta["graphopt_level"] = self.config.graph_opt_level
         matched = _inputs_match(gm, inputs)
@@ -195,6 +227,59 @@ class Backend:
             self._report.memory.append(memory)
         record.fused_ops = fused_op_counts(gm.graph)
         self.graph_modules.append(gm)
+        return {"record": {"nodes_before": record.nodes_before, "nodes_after": record.nodes_after,
+                           "fused_ops": dict(record.fused_ops)},
+                "passes": report.passes[first_pass:], "memory": report.memory[first_plan:],
+                "fallbacks": dict(Counter(report.fallbacks) - fallbacks_before)}
+
+    def _cache_key(self, gm: torch.fx.GraphModule, inputs: list) -> str | None:
+        """The compile cache's key for `gm`, or None where the cache is not used."""
+        if self._cache is None:
+            return None
+        config = self.config
+        if config.freeze_parameters or config.verify or config.debug_dump_dir:
+            reason = ("freeze_parameters folds weight values into the graph" if config.freeze_parameters else
+                      "verify and debug_dump_dir ask for every pass to run")
+            self._report.fallback(f"cache_dir: {reason}, so graphs are compiled without the compile cache")
+            return None
+        return cache.cache_key(self._pass_uuid(), cache.describe_graph(gm, inputs), _device_type(inputs))
+
+    def _cache_load(self, key: str | None) -> dict | None:
+        return None if key is None else self._cache.load(key)
+
+    def _cache_store(self, key: str | None, records: dict, graph: torch.fx.GraphModule,
+                     lowered: torch.fx.GraphModule | None = None) -> None:
+        """Store a compile's report records, its final graph (for `graphs()`, where it
+        can be stored) and, at level 1, the lowered graph that runs."""
+        if key is None:
+            return
+        self._report.cache_misses += 1
+        try:
+            runs = cache.dump_graph(lowered) if lowered is not None else None
+        except ValueError as error:
+            self._report.fallback(f"cache_dir: a graph could not be stored ({error}); it is compiled "
+                                  "again in every process")
+            return
+        try:
+            final = cache.dump_graph(graph)
+        except ValueError:
+            final = None  # level 2 runs Inductor's code: only graphs() misses it on a hit
+        self._cache.store(key, {**records, "graph": final, "lowered": runs})
+
+    def _restore(self, stored: dict, record: GraphRecord) -> None:
+        """Report a cache hit as its compile was reported: the graph, its passes,
+        memory plan and fallbacks, renumbered as this process's graph `record.index`."""
+        self._report.cache_hits += 1
+        for name, value in stored["record"].items():
+            setattr(record, name, value)
+        record.cache_hit = True
+        self._report.passes.extend(dataclasses.replace(p, graph=record.index) for p in stored["passes"])
+        self._report.memory.extend(dataclasses.replace(m, graph=record.index) for m in stored["memory"])
+        for reason, count in stored["fallbacks"].items():
+            for _ in range(count):
+                self._report.fallback(reason)
+        if stored["graph"] is not None:
+            self.graph_modules.append(cache.load_graph(stored["graph"]))
 
     def _level(self, device: str) -> int:
         """The level that runs on `device`: level 2 needs a C++ compiler on the CPU."""
@@ -224,11 +309,13 @@ class Backend:
                                   "raise torch._dynamo.config.recompile_limit")
 
     def _pass_uuid(self) -> str:
-        sources = sorted(Path(__file__).parent.rglob("*.py"))
-        digest = hashlib.sha256(json.dumps(self.config.to_dict(), default=str, sort_keys=True).encode())
-        for path in sources:
-            digest.update(path.read_bytes())
-        return digest.hexdigest()
+        """What, besides the graph, decides what the passes make of it: the config
+        fields they read and the user's patterns (graphopt and torch's versions are in
+        every cache key). Inductor's FX graph cache keys on it too."""
+        config = self.config
+        fields = {"graph_opt_level": config.graph_opt_level, "disabled_passes": sorted(config.disabled_passes),
+                  "freeze_parameters": config.freeze_parameters}
+        return cache.cache_key(json.dumps(fields, sort_keys=True), USER_PATTERNS.fingerprint())
 
 
 # One Backend per torch.compile(backend="graphopt", options=...) call: torch hands

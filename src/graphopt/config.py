@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -43,6 +44,18 @@ def tolerance(dtype: torch.dtype) -> tuple[float, float]:
 GRAPH_OPT_LEVELS: Final = (0, 1, 2)
 CAPTURE_ERROR_MODES: Final = ("global", "thread_local", "relaxed")
 CUDAGRAPH_MODES: Final = ("none", "piecewise", "full")
+
+
+CACHE_DIR_ENV: Final = "GRAPHOPT_CACHE_DIR"
+
+
+def default_cache_dir() -> str | None:
+    """`$GRAPHOPT_CACHE_DIR` (set but empty: no cache), else `graphopt` under the
+    user's cache directory (`$XDG_CACHE_HOME`, or `~/.cache`)."""
+    if CACHE_DIR_ENV in os.environ:
+        return os.environ[CACHE_DIR_ENV] or None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "graphopt")
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -90,6 +103,8 @@ class GraphOptimizationConfig:
     disabled_passes: list[str] = field(default_factory=list)
     debug_dump_dir: str | None = None
     verify: bool = False
+    # The persistent compile cache (cache.py); None switches it off.
+    cache_dir: str | None = field(default_factory=default_cache_dir)
 
     def __post_init__(self) -> None:
         _check_int("graph_opt_level", self.graph_opt_level, choices=GRAPH_OPT_LEVELS)
@@ -109,6 +124,7 @@ class GraphOptimizationConfig:
         self.disabled_passes = _pass_names(self.disabled_passes)
         _check_dump_dir(self.debug_dump_dir)
         _check_bool("verify", self.verify)
+        self.cache_dir = _cache_dir(self.cache_dir)
 
     def pass_enabled(self, name: str) -> bool:
         """Whether the graph pass ``name`` should run ("*" in disabled_passes turns all off)."""
@@ -252,6 +268,21 @@ def _check_dump_dir(value: object) -> None:
         raise TypeError(f"{accepted}, got {_describe(value)}")
     if value == "":
         raise ValueError(f"{accepted}, got an empty string")
+
+
+def _cache_dir(value: object) -> str | None:
+    accepted = ("cache_dir must be a directory path (str or os.PathLike) or null to switch the "
+                f"compile cache off (${CACHE_DIR_ENV}='' does the same for the default)")
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{accepted}, got {_describe(value)}")
+    path = os.fspath(value)
+    if path == "":
+        raise ValueError(f"{accepted}, got an empty string")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{accepted}, got {path!r}, which is a file")
+    return path
 
 
 def _check_keys(d: Mapping[Any, Any], accepted: tuple[str, ...]) -> None:

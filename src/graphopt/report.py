@@ -37,11 +37,12 @@ class GraphRecord:
     nodes_after: int = 0
     compile_seconds: float = 0.0
     fused_ops: dict[str, int] = field(default_factory=dict)  # fused op -> how many the final graph has
+    cache_hit: bool = False   # loaded from the compile cache: the records are those of the stored compile
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "nodes_before": self.nodes_before,
                 "nodes_after": self.nodes_after, "compile_seconds": round(self.compile_seconds, 3),
-                "fused_ops": dict(self.fused_ops)}
+                "fused_ops": dict(self.fused_ops), "cache_hit": self.cache_hit}
 
 
 @dataclass
@@ -110,6 +111,9 @@ class Report:
     recaptures: int = 0
     replays: int = 0
     recompiles: int = 0       # graphs Dynamo compiled again after a guard failed
+    cache_hits: int = 0       # graphs loaded from the compile cache (cache.py)
+    cache_misses: int = 0     # graphs the cache did not have (or had broken): compiled and stored
+    cache_rebuilt: int = 0    # of those misses, broken entries that were removed and rebuilt
     memory: list[MemoryRecord] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -150,6 +154,7 @@ class Report:
             "recaptures": self.recaptures,
             "replays": self.replays,
             "recompiles": self.recompiles,
+            "cache": {"hits": self.cache_hits, "misses": self.cache_misses, "rebuilt": self.cache_rebuilt},
             "memory": [m.to_dict() for m in self.memory],
         }
 
@@ -157,8 +162,9 @@ class Report:
         lines = [f"graphopt report: graph_opt_level={self.level}, {len(self.graphs)} graph(s), "
                  f"compile {self.compile_seconds:.2f}s"]
         for g in self.graphs:
+            how = "loaded from the compile cache in" if g.cache_hit else "compiled in"
             lines.append(f"  graph {g.index}: {g.nodes_before} -> {g.nodes_after} nodes, "
-                         f"compiled in {g.compile_seconds:.2f}s")
+                         f"{how} {g.compile_seconds:.2f}s")
             if g.fused_ops:
                 lines.append("    fused ops: " + ", ".join(f"{k}={v}" for k, v in g.fused_ops.items()))
             for p in (p for p in self.passes if p.graph == g.index):
@@ -169,6 +175,9 @@ class Report:
                          f"{m.buffers} buffers, naive {m.naive_bytes / 1024:.1f} KiB, planned "
                          f"{m.planned_bytes / 1024:.1f} KiB, largest {m.largest_buffer_bytes / 1024:.1f} KiB"
                          for m in self.memory if m.graph == g.index)
+        if self.cache_hits or self.cache_misses:
+            lines.append(f"  compile cache: {self.cache_hits} hits, {self.cache_misses} misses"
+                         + (f" ({self.cache_rebuilt} broken entries rebuilt)" if self.cache_rebuilt else ""))
         if self.captures or self.pieces:
             sizes = ", ".join(str(c.size) for c in self.captures)
             lines.append(f"  device graphs: {len(self.captures)} captured (sizes {sizes or '-'}), pool "

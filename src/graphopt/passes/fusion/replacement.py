@@ -82,6 +82,14 @@ class PatternSet:
             self.patterns.remove(pattern)
             self._matchers.clear()
 
+    def fingerprint(self) -> str:
+        """What the set's patterns compute, for cache keys: each pattern's name, levels
+        and the code of its functions (a closure's captured values count by repr)."""
+        with self._lock:
+            return "\n".join(f"{p.name} {p.levels} " + " ".join(
+                _code_fingerprint(fn) for fn in (p.search_fn, p.replace_fn, p.extra_check, p.trace_fn))
+                for p in self.patterns)
+
     def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
         """Replace every match of the set's patterns for the graph's level
         (`gm.meta["graphopt_level"]`, 1 when unset); counts are per pattern."""
@@ -102,6 +110,21 @@ class PatternSet:
                         _register(pattern, matcher, counts, level)
                 self._matchers[level] = (matcher, counts)
             return self._matchers[level]
+
+
+def _code_fingerprint(fn: Callable) -> str:
+    """Stable across processes for plain functions; anything else counts by repr,
+    which may hold an address: such a key never matches again, a miss and not an error."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return repr(fn)
+    cells = [repr(cell.cell_contents) for cell in getattr(fn, "__closure__", None) or ()]
+    return repr((fn.__qualname__, _code_parts(code), cells))
+
+
+def _code_parts(code: Any) -> tuple:
+    consts = tuple(_code_parts(c) if hasattr(c, "co_code") else repr(c) for c in code.co_consts)
+    return (code.co_code, consts, code.co_names)
 
 
 def _inputs_first(graph: torch.fx.Graph) -> None:

@@ -1,0 +1,233 @@
+"""The persistent compile cache: what graphopt compiled, kept on disk so that the
+next process that meets the same graph skips the work.
+
+    key   = sha256(graph code, input metadata, constants, the config fields that
+                   change the result, user patterns, graphopt's sources, torch, device)
+    entry = <cache_dir>/<key[:2]>/<key>: one JSON header line (format, key, versions,
+            the payload's sha256), then the payload (pickled)
+
+Level 1 stores the optimized ATen graph and its lowered form; level 2 stores only
+graphopt's records, next to Inductor's own FX graph and AOTAutograd caches, which
+hold the compiled code. Both store the report records of the compile, so a hit
+still gives a full `report()`. An entry that does not parse, is truncated, or was
+written for another key or version is logged, counted and rebuilt. A writer writes
+a temporary file in the same directory and renames it over the entry (atomic), so
+two processes storing one entry at once leave one whole entry, never a broken one.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import pickle
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+
+from . import _compat
+from .kernels import IMPLEMENTATIONS
+from .report import Report
+
+FORMAT = 1
+
+
+@functools.lru_cache(maxsize=1)
+def versions() -> dict[str, str]:
+    """What an entry is only valid for. graphopt's sources stand for its version:
+    an edited checkout must not load what an older one stored."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return {"graphopt": digest.hexdigest()[:16], "torch": torch.__version__,
+            "python": f"{sys.version_info[0]}.{sys.version_info[1]}"}
+
+
+def cache_key(*parts: str) -> str:
+    digest = hashlib.sha256(json.dumps(versions(), sort_keys=True).encode())
+    for part in parts:
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def describe_graph(gm: torch.fx.GraphModule, inputs: list) -> str:
+    """Everything about `gm` that decides what compiling it gives: its code, the
+    metadata of each input (shapes, symbolic where the graph's are, strides, dtypes,
+    devices) and the values of the tensors it holds as attributes."""
+    lines = [gm.code]
+    for node, value in zip(gm.graph.find_nodes(op="placeholder"), inputs):
+        traced = node.meta.get("val", node.meta.get("example_value"))
+        lines.append(f"{node.name}: {describe_value(traced if isinstance(traced, torch.Tensor) else value)}")
+    for name, value in sorted(_tensor_attributes(gm).items()):
+        lines.append(f"{name}: {describe_value(value)} {tensor_digest(value)}")
+    return "\n".join(lines)
+
+
+def describe_value(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return (f"tensor({tuple(str(s) for s in value.shape)}, stride={tuple(str(s) for s in value.stride())}, "
+                f"{value.dtype}, {value.device.type}, grad={value.requires_grad})")
+    if isinstance(value, torch.SymInt):
+        return "symint"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    return type(value).__name__
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    if _compat.is_fake(tensor) or tensor.device.type == "meta":
+        return "fake"
+    data = tensor.detach().cpu().contiguous().reshape(-1)
+    return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def _tensor_attributes(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+    found = {}
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = gm
+        for part in str(node.target).split("."):
+            value = getattr(value, part, None)
+        if isinstance(value, torch.Tensor):
+            found[str(node.target)] = value
+    return found
+
+
+def dump_graph(gm: torch.fx.GraphModule) -> dict:
+    """A picklable form of `gm`: its nodes in order, each target by name, and the
+    tensors its get_attr nodes read. Node metadata (fake tensors) is left out.
+    Raises ValueError for a target that cannot be found again by its name."""
+    nodes = []
+    for node in gm.graph.nodes:
+        target = _target_ref(node.target) if node.op == "call_function" else node.target
+        arguments = torch.fx.node.map_aggregate((node.args, dict(node.kwargs)), _to_ref)
+        try:
+            pickle.dumps(arguments)
+        except Exception as error:  # noqa: BLE001 - whatever pickle refuses, the graph cannot be stored
+            raise ValueError(f"node {node.name} has an argument that cannot be stored ({error})") from None
+        nodes.append((node.op, node.name, target, arguments))
+    return {"nodes": nodes, "attributes": _tensor_attributes(gm)}
+
+
+def load_graph(stored: dict) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    defined: dict[str, torch.fx.Node] = {}
+    for op, name, target, arguments in stored["nodes"]:
+        args, kwargs = torch.fx.node.map_aggregate(
+            arguments, lambda a: defined[a.name] if isinstance(a, _Ref) else a)
+        target = _resolve(target) if op == "call_function" else target
+        defined[name] = graph.create_node(op, target, tuple(args), dict(kwargs), name)
+    return torch.fx.GraphModule(dict(stored["attributes"]), graph)
+
+
+class _Ref:
+    """A node named in a stored graph's arguments."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+def _to_ref(value: Any) -> Any:
+    return _Ref(value.name) if isinstance(value, torch.fx.Node) else value
+
+
+def _target_ref(target: Any) -> tuple[str, str]:
+    if isinstance(target, torch._ops.OpOverload):
+        ref = ("op", target.name())
+    elif target in _implemented_ops():
+        ref = ("implementation", _implemented_ops()[target].name())
+    else:
+        ref = ("python", _compat.qualified_name(target))
+    if _resolve(ref) is not target:
+        raise ValueError(f"the graph calls {target!r}, which cannot be found again by the name {ref[1]!r}")
+    return ref
+
+
+def _resolve(ref: tuple[str, str]) -> Any:
+    kind, name = ref
+    if kind == "python":
+        return _compat.object_by_name(name)
+    namespace, _, rest = name.partition("::")
+    op_name, _, overload = rest.partition(".")
+    op = getattr(getattr(getattr(torch.ops, namespace), op_name), overload or "default")
+    return IMPLEMENTATIONS[op] if kind == "implementation" else op
+
+
+@functools.lru_cache(maxsize=1)
+def _implemented_ops() -> dict[Any, Any]:
+    return {fn: op for op, fn in IMPLEMENTATIONS.items()}
+
+
+class CompileCache:
+    """One cache directory, read and written for one Backend (whose `report` counts
+    hits, misses and rebuilt entries)."""
+
+    def __init__(self, directory: str | os.PathLike, report: Report):
+        self.directory = Path(directory)
+        self.report = report
+
+    def path(self, key: str) -> Path:
+        return self.directory / key[:2] / key
+
+    def load(self, key: str) -> Any | None:
+        """The payload stored under `key`, or None. A broken entry is removed and
+        reported, and None returned so that the caller rebuilds it."""
+        path = self.path(key)
+        try:
+            data = path.read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as error:
+            self.report.fallback(f"cache_dir: could not read {path} ({error}); compiling instead")
+            return None
+        try:
+            payload = _parse(data, key)
+        except Exception as error:  # noqa: BLE001 - any unreadable entry is rebuilt, never trusted
+            self.report.cache_rebuilt += 1
+            self.report.fallback(f"cache_dir: entry {path} is unusable ({error}); it is compiled again "
+                                 "and rewritten")
+            path.unlink(missing_ok=True)
+            return None
+        return payload
+
+    def store(self, key: str, payload: Any) -> None:
+        try:
+            body = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as error:  # noqa: BLE001 - an unpicklable argument costs the entry, not the compile
+            self.report.fallback(f"cache_dir: a compiled graph could not be serialised ({type(error).__name__}: "
+                                 f"{error}); it is compiled again in every process")
+            return
+        header = {"format": FORMAT, "key": key, **versions(), "sha256": hashlib.sha256(body).hexdigest()}
+        path = self.path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{key[:8]}.", suffix=".tmp")
+            with os.fdopen(handle, "wb") as file:
+                file.write(json.dumps(header).encode() + b"\n" + body)
+            os.replace(temporary, path)
+        except OSError as error:
+            self.report.fallback(f"cache_dir: could not write {path} ({error}); the next process compiles "
+                                 "again. Point cache_dir (or $GRAPHOPT_CACHE_DIR) at a writable directory")
+
+
+def _parse(data: bytes, key: str) -> Any:
+    line, _, body = data.partition(b"\n")
+    try:
+        header = json.loads(line)
+    except ValueError:
+        raise ValueError("no graphopt cache header") from None
+    if header.get("format") != FORMAT or header.get("key") != key:
+        raise ValueError(f"written for another key or format ({header.get('key', '?')[:12]}, "
+                         f"format {header.get('format')})")
+    for name, value in versions().items():
+        if header.get(name) != value:
+            raise ValueError(f"written by {name} {header.get(name)}, this is {value}")
+    if hashlib.sha256(body).hexdigest() != header.get("sha256"):
+        raise ValueError("truncated or corrupt: its checksum does not match")
+    with _compat.real_tensors():
+        return pickle.loads(body)

@@ -1,0 +1,165 @@
+"""The persistent compile cache: a second "process" (a fresh Backend after
+`torch._dynamo.reset()`) loads what the first stored, gives the same outputs and
+the same report, and broken, foreign or concurrent entries never give a wrong one."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo
+
+import graphopt
+from graphopt import cache
+from graphopt.models import generate
+from graphopt.report import Report
+
+PROMPTS = torch.randint(500, (3, 6), generator=torch.Generator().manual_seed(0))
+
+
+def run(decoder, cache_dir, **config) -> tuple[torch.Tensor, graphopt.Report]:
+    """Generate with a fresh optimized step, as a new process would."""
+    torch._dynamo.reset()
+    cfg = graphopt.GraphOptimizationConfig(**{"cache_dir": str(cache_dir), "use_cudagraph": False, **config})
+    step = graphopt.optimize(decoder, cfg, pad_values={"slots": decoder.scratch_slot})
+    return generate(decoder, PROMPTS, 6, step=step), step.report()
+
+
+def entries(cache_dir) -> list[Path]:
+    return sorted(p for p in Path(cache_dir).rglob("*") if p.is_file())
+
+
+def test_second_start_loads_the_graph_and_its_report(decoder, tmp_path):
+    expected = generate(decoder, PROMPTS, 6)
+    tokens, first = run(decoder, tmp_path)
+    assert (first.cache_hits, first.cache_misses) == (0, 1)
+    assert len(entries(tmp_path)) == 1
+    tokens_again, second = run(decoder, tmp_path)
+    assert torch.equal(tokens, expected) and torch.equal(tokens_again, expected)
+    assert (second.cache_hits, second.cache_misses) == (1, 0)
+    assert second.graphs[0].cache_hit and not first.graphs[0].cache_hit
+    same = ("nodes_before", "nodes_after", "fused_ops")
+    assert [getattr(second.graphs[0], f) for f in same] == [getattr(first.graphs[0], f) for f in same]
+    assert [(p.name, p.changed, p.counts) for p in second.passes] == [(p.name, p.changed, p.counts) for p in first.passes]
+    assert [m.planned_bytes for m in second.memory] == [m.planned_bytes for m in first.memory]
+    assert "loaded from the compile cache" in str(second) and "1 hits" in str(second)
+
+
+def test_hit_with_host_graphs(decoder, tmp_path):
+    expected = generate(decoder, PROMPTS, 6)
+    run(decoder, tmp_path, use_cudagraph=True, cudagraph_capture_sizes=[1, 4])
+    tokens, report = run(decoder, tmp_path, use_cudagraph=True, cudagraph_capture_sizes=[1, 4])
+    assert torch.equal(tokens, expected)
+    assert report.cache_hits == 1 and report.replays > 0 and [c.size for c in report.captures] == [4]
+
+
+def test_a_changed_config_or_version_is_a_miss(decoder, tmp_path, monkeypatch):
+    run(decoder, tmp_path)
+    _, other_config = run(decoder, tmp_path, disabled_passes=["fuse_rotary"])
+    assert other_config.cache_misses == 1 and "rotary_embedding" not in other_config.graphs[0].fused_ops
+    monkeypatch.setattr(cache, "versions", lambda: {"graphopt": "0", "torch": "9.9", "python": "3.11"})
+    tokens, other_torch = run(decoder, tmp_path)
+    assert other_torch.cache_misses == 1 and torch.equal(tokens, generate(decoder, PROMPTS, 6))
+    assert len(entries(tmp_path)) == 3
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "foreign"])
+def test_a_broken_entry_is_reported_and_rebuilt(decoder, tmp_path, damage, caplog):
+    run(decoder, tmp_path)
+    [entry] = entries(tmp_path)
+    data = entry.read_bytes()
+    if damage == "truncated":
+        entry.write_bytes(data[: len(data) // 2])
+    elif damage == "garbage":
+        entry.write_bytes(b"\x00not a cache entry" * 10)
+    else:  # another key's entry copied over this one
+        header, _, body = data.partition(b"\n")
+        entry.write_bytes(json.dumps({**json.loads(header), "key": "0" * 64}).encode() + b"\n" + body)
+    tokens, report = run(decoder, tmp_path)
+    assert torch.equal(tokens, generate(decoder, PROMPTS, 6))
+    assert (report.cache_hits, report.cache_misses, report.cache_rebuilt) == (0, 1, 1)
+    [reason] = [r for r in report.fallbacks if "is unusable" in r]
+    assert str(entry) in reason and "compiled again and rewritten" in reason
+    assert {"truncated": "checksum", "garbage": "header", "foreign": "another key"}[damage] in reason
+    _, repaired = run(decoder, tmp_path)
+    assert repaired.cache_hits == 1
+
+
+VERSIONS = {"graphopt": "test", "torch": torch.__version__, "python": "3"}
+
+
+def _write_many(directory: str, key: str, fill: int, times: int) -> None:
+    cache.versions = lambda: VERSIONS  # the same in every process, whatever the checkout holds
+    store = cache.CompileCache(directory, Report(1))
+    for _ in range(times):
+        store.store(key, {"fill": fill, "data": torch.full((1 << 18,), fill)})
+
+
+def test_concurrent_writers_never_leave_a_broken_entry(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache, "versions", lambda: VERSIONS)
+    key = cache.cache_key("concurrent")
+    context = multiprocessing.get_context("spawn")
+    writers = [context.Process(target=_write_many, args=(str(tmp_path), key, fill, 30)) for fill in (1, 2)]
+    for writer in writers:
+        writer.start()
+    report = Report(1)
+    reader = cache.CompileCache(tmp_path, report)
+    seen = set()
+    while any(w.is_alive() for w in writers):
+        payload = reader.load(key)
+        if payload is not None:
+            assert torch.equal(payload["data"], torch.full((1 << 18,), payload["fill"]))
+            seen.add(payload["fill"])
+    for writer in writers:
+        writer.join(timeout=60)
+        assert writer.exitcode == 0
+    assert report.cache_rebuilt == 0 and not report.fallbacks
+    assert reader.load(key)["fill"] in (1, 2) and seen
+    assert [p.name for p in entries(tmp_path)] == [key]  # no temporary file left behind
+
+
+def test_freeze_parameters_and_verify_bypass_the_cache(decoder, tmp_path):
+    _, frozen = run(decoder, tmp_path, freeze_parameters=True)
+    assert frozen.cache_misses == 0 and not entries(tmp_path)
+    assert any("freeze_parameters folds weight values" in r for r in frozen.fallbacks)
+    _, verified = run(decoder, tmp_path, verify=True)
+    assert any("verify and debug_dump_dir" in r for r in verified.fallbacks) and not entries(tmp_path)
+
+
+def test_unwritable_directory_is_reported_not_raised(decoder, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    tokens, report = run(decoder, blocker / "cache")
+    assert torch.equal(tokens, generate(decoder, PROMPTS, 6))
+    assert any("could not write" in r and "writable directory" in r for r in report.fallbacks)
+
+
+def test_level_2_hit_keeps_the_report(decoder, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    expected = generate(decoder, PROMPTS, 6)
+    tokens, first = run(decoder, tmp_path / "graphopt", graph_opt_level=2)
+    tokens_again, second = run(decoder, tmp_path / "graphopt", graph_opt_level=2)
+    assert torch.equal(tokens, expected) and torch.equal(tokens_again, expected)
+    assert (first.cache_misses, second.cache_hits) == (1, 1)
+    assert [p.name for p in second.passes] == [p.name for p in first.passes]
+    assert second.graphs[0].fused_ops == first.graphs[0].fused_ops
+
+
+def test_config_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path))
+    assert graphopt.GraphOptimizationConfig().cache_dir == str(tmp_path)
+    monkeypatch.setenv("GRAPHOPT_CACHE_DIR", "")
+    assert graphopt.GraphOptimizationConfig().cache_dir is None
+    monkeypatch.delenv("GRAPHOPT_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert graphopt.GraphOptimizationConfig().cache_dir == os.path.join(str(tmp_path), "graphopt")
+    assert graphopt.GraphOptimizationConfig(cache_dir=tmp_path).cache_dir == str(tmp_path)
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ValueError, match="cache_dir must be a directory path .* which is a file"):
+        graphopt.GraphOptimizationConfig(cache_dir=str(tmp_path / "f"))
+    with pytest.raises(TypeError, match="cache_dir must be a directory path"):
+        graphopt.GraphOptimizationConfig(cache_dir=3)
