@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up .venv and run `graphopt demo`: the reference decoder, eager against every level.
+# Set up the venv and run `graphopt demo`: the reference decoder, eager against every level.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh" ""
-exec .venv/bin/graphopt demo "$@"
+exec "$venv/bin/graphopt" demo "$@"

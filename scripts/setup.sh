@@ -1,10 +1,26 @@
-# Sourced by the other scripts: create .venv and install graphopt into it.
-# torch is pinned through constraints.txt to the CPU build this project's machines
-# carry on disk; the package itself accepts any torch >= 2.11.
+# Sourced by the other scripts: create a venv and install graphopt into it; sets $venv.
+# The package accepts any torch >= 2.11. By default (GRAPHOPT_TORCH=pinned) the venv
+# is .venv and torch is pinned through constraints.txt to the CPU build this project's
+# machines carry on disk. GRAPHOPT_TORCH=newest uses .venv-newest, without the pin,
+# and upgrades torch to the newest release pip resolves.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 extras="${1:-}"
-if [ ! -x .venv/bin/python ]; then
-    python3 -m venv .venv
+pip=(--quiet --disable-pip-version-check)
+case "${GRAPHOPT_TORCH:-pinned}" in
+    pinned) venv=.venv; pin=(-c constraints.txt) ;;
+    newest) venv=.venv-newest; pin=() ;;
+    *) echo "GRAPHOPT_TORCH=${GRAPHOPT_TORCH}: expected 'pinned' or 'newest'" >&2; exit 2 ;;
+esac
+if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".${extras}"
+if [ "$venv" = .venv-newest ]; then
+    "$venv/bin/python" -m pip install "${pip[@]}" --upgrade torch
+fi
+# The editable install writes src/graphopt.egg-info: one at a time when CI sets up
+# both venvs at once.
+lock=()
+if command -v flock >/dev/null; then lock=(flock scripts/setup.sh); fi
+"${lock[@]}" "$venv/bin/python" -m pip install "${pip[@]}" "${pin[@]}" -e ".${extras}"
+echo "$venv: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')" >&2

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up .venv with the test extras and run the test suite (GPU tests skip without CUDA).
+# Set up the venv with the test extras and run the test suite (GPU tests are skipped
+# without CUDA). GRAPHOPT_TORCH=newest runs it on the newest torch (see setup.sh).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh" "[test]"
-exec .venv/bin/python -m pytest "$@"
+exec "$venv/bin/python" -m pytest "$@"
