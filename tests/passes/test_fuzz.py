@@ -283,7 +283,7 @@ FUZZ = settings(deadline=None, database=None, derandomize=True,
                                        HealthCheck.function_scoped_fixture])
 
 
-@settings(FUZZ, max_examples=100)
+@settings(FUZZ, max_examples=50)
 @given(programs())
 def test_optimized_programs_match_eager(program):
     check_program(program)
