@@ -67,11 +67,20 @@ def _child(argv: list[str] | None = None) -> None:
         torch.cuda.synchronize()
     first_output_s = time.time() - launched_at
     del output
-    if args.device.startswith("cuda"):
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    peak = torch.cuda.max_memory_allocated() if args.device.startswith("cuda") else peak_rss()
     print(json.dumps({"first_output_s": first_output_s, "peak_mib": peak / 2**20}))
+
+
+def peak_rss() -> int:
+    """This process's peak resident set, in bytes. Linux's VmHWM belongs to the
+    process's own memory map; getrusage's ru_maxrss would carry over the parent's
+    peak, which fork + exec keep."""
+    try:
+        with open("/proc/self/status") as status:
+            line = next(line for line in status if line.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024  # kB
+    except (OSError, StopIteration):  # no /proc: macOS, whose ru_maxrss is in bytes (and never inherited)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 if __name__ == "__main__":

@@ -103,7 +103,7 @@ def decoder(sizes: Sizes) -> Workload:
     engine's scheduler produces), and the decode step alone at batch 1 and 16."""
     generator = _manual_seed(0)
     config = sizes.pick(DecoderConfig.tiny(), DecoderConfig.tiny(),
-                        DecoderConfig.bench(dtype=torch.bfloat16, max_num_seqs=32))
+                        DecoderConfig.bench(dtype=torch.bfloat16))
     model = Decoder(config).eval().to(sizes.device)
     segments, steps = sizes.pick((3, 2), (8, 4), (16, 8))
     batches = [int(b) for b in torch.randint(1, 17, (segments,), generator=generator)]
