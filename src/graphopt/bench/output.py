@@ -153,7 +153,7 @@ def present(results: list[WorkloadResult], setup: dict[str, Any], out: Path, as_
     """Print every workload's tables (rich, or Markdown on stdout) and one line per
     contender without a row, write bench.json and bench.png under `out`; 1 when some
     contender's outputs differ from eager's, else 0."""
-    info = Console(stderr=True) if as_markdown else console
+    info = Console(stderr=True, soft_wrap=True) if as_markdown else console
     caption = (f"{setup['device']} ({setup['device_name']}) · torch {setup['torch']} · {setup['threads']} "
                f"thread(s) · median of {setup['rounds']} interleaved rounds · vs: speed-up of medians, "
                f"> 1 is faster · outputs within rtol/atol {tolerance_text(setup)} of eager's")
@@ -162,14 +162,15 @@ def present(results: list[WorkloadResult], setup: dict[str, Any], out: Path, as_
         if result.startup:
             tables.append((f"{result.name}: start-up to the first output, in fresh processes",
                            "cold: an empty GRAPHOPT_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR; warm: the same "
-                           "command again with that cache", *startup_cells(result.startup, setup["device"]), None))
+                           "command again with that cache; every child imports graphopt, eager's too",
+                           *startup_cells(result.startup, setup["device"]), None))
         for title, text, headers, rows, mismatched in tables:
             if as_markdown:
                 print(markdown(title, text, headers, rows) + "\n")
             else:
                 console.print(rich_table(title, text, headers, rows, mismatched))
         for name, why in result.skipped.items():
-            info.print(f"{result.name}: {name} left out: {why}", highlight=False, markup=False)
+            info.print(f"{result.name}: {name} left out: {why}", highlight=False, markup=False, soft_wrap=True)
     out.mkdir(parents=True, exist_ok=True)
     workloads = {r.name: {"title": r.title, "cases": r.cases, "startup": r.startup, "skipped": r.skipped}
                  for r in results}
