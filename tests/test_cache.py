@@ -49,6 +49,18 @@ def test_second_start_loads_the_graph_and_its_report(decoder, tmp_path):
     assert "loaded from the compile cache" in str(second) and "1 hits" in str(second)
 
 
+def test_level_1_hit_skips_aot_autograd_and_the_passes(decoder, tmp_path, monkeypatch):
+    run(decoder, tmp_path)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a level-1 hit traced again")
+
+    monkeypatch.setattr(graphopt.backend._compat, "aot_inference", refuse)
+    monkeypatch.setattr(graphopt.backend.PassManager, "run", refuse)
+    tokens, report = run(decoder, tmp_path)
+    assert torch.equal(tokens, generate(decoder, PROMPTS, 6)) and report.cache_hits == 1
+
+
 def test_hit_with_host_graphs(decoder, tmp_path):
     expected = generate(decoder, PROMPTS, 6)
     run(decoder, tmp_path, use_cudagraph=True, cudagraph_capture_sizes=[1, 4])

@@ -401,6 +401,50 @@ def real_tensors() -> Iterator[None]:
         yield
 
 
+def aot_wrapper_output_dims(graph_inputs: int, dynamo_inputs: int, inference: bool) -> list | None:
+    """Called inside an AOTAutograd compiler: None when AOTAutograd's runtime wrapper
+    does more than call the compiled graph (training, input mutations applied
+    outside the graph, outputs that alias inputs or intermediates, subclasses, RNG,
+    effect tokens, autocast, a grad-mode change, inputs it adds); else, for each
+    output, the dims the wrapper marks dynamic for later frames."""
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None)
+    if meta is None or graph_inputs != dynamo_inputs or not inference:
+        return None
+    plain = (int, type(None), *[cls for cls in _aot_plain_meta_types()])
+    if (meta.traced_tangents or meta.num_mutated_inp_runtime_indices or meta.num_outputs_aliased
+            or meta.num_intermediate_bases or meta.tokens or meta.is_rng_op_functionalized
+            or meta.grad_enabled_mutation is not None or torch.is_autocast_enabled("cpu")
+            or torch.is_autocast_enabled("cuda")
+            or not all(isinstance(m, plain) for m in [*meta.subclass_inp_meta, *meta.subclass_fw_graph_out_meta])):
+        return None
+    return [sorted(o.dynamic_dims) if o.dynamic_dims else None for o in meta.output_info]
+
+
+def _aot_plain_meta_types() -> list[type]:
+    from torch._functorch._aot_autograd import schemas
+
+    return [schemas.PlainTensorMeta] if hasattr(schemas, "PlainTensorMeta") else []
+
+
+def call_like_aot(graph: Callable, output_dims: list) -> Callable:
+    """What AOTAutograd's runtime wrapper does for a graph `aot_wrapper_output_dims`
+    accepted: call it, and mark the dynamic dims of its outputs for later frames."""
+    from torch._functorch._aot_autograd.runtime_wrappers import mark_dynamo_propagated_dynamic_indices as mark
+
+    marked = [(i, set(dims)) for i, dims in enumerate(output_dims) if dims]
+
+    def run(*args: Any) -> Any:
+        outputs = graph(*args)
+        for i, dims in marked:
+            mark(outputs[i], dims)
+        return outputs
+
+    return run
+
+
 def qualified_name(target: Any) -> str:
     """The dotted name FX writes for a call_function target in generated code."""
     from torch.fx.node import _get_qualified_name

@@ -153,22 +153,36 @@ class Backend:
         kinds = ["parameter"] * (len(real_inputs) - len(example_inputs)) + _compat.input_kinds(gm)
         start = time.perf_counter()
         if level == 1:
-            def fw_compiler(aot_gm: torch.fx.GraphModule, _fake_inputs: list) -> Callable:
-                key = self._cache_key(aot_gm, [n.meta.get("val") for n in aot_gm.graph.find_nodes(op="placeholder")])
-                stored = self._cache_load(key)
-                if stored is not None:
-                    self._restore(stored, record)
-                    return _compat.boxed(cache.load_graph(stored["lowered"]))
-                records = self._optimize(aot_gm, record, real_inputs, kinds)
-                lowered = lower_to_bindings(aot_gm)
-                self._cache_store(key, records, aot_gm, lowered)
-                return _compat.boxed(lowered)
-
-            compiled = _compat.aot_inference(gm, example_inputs, fw_compiler)
+            compiled = self._compile_level1(gm, example_inputs, record, real_inputs, kinds)
         else:
             compiled = self._compile_inductor(gm, example_inputs, record, real_inputs, kinds)
         record.compile_seconds = time.perf_counter() - start
         return compiled
+
+    def _compile_level1(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], record: GraphRecord,
+                        real_inputs: list, kinds: list[str]) -> Callable:
+        """Level 1: AOTAutograd, the passes, lowering. A cache hit skips the passes and,
+        where AOTAutograd's runtime wrapper would only call the graph, AOTAutograd too."""
+        key = self._cache_key(gm, list(example_inputs))
+        stored = self._cache_load(key)
+        if stored is not None and stored["direct"] is not None:
+            self._restore(stored, record)
+            return _compat.call_like_aot(cache.load_graph(stored["lowered"]), stored["direct"])
+        inference = not (torch.is_grad_enabled() and any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in real_inputs))
+
+        def fw_compiler(aot_gm: torch.fx.GraphModule, _fake_inputs: list) -> Callable:
+            if stored is not None:
+                self._restore(stored, record)
+                return _compat.boxed(cache.load_graph(stored["lowered"]))
+            records = self._optimize(aot_gm, record, real_inputs, kinds)
+            lowered = lower_to_bindings(aot_gm)
+            graph_inputs = len(aot_gm.graph.find_nodes(op="placeholder"))
+            direct = _compat.aot_wrapper_output_dims(graph_inputs, len(example_inputs), inference)
+            self._cache_store(key, {**records, "direct": direct}, aot_gm, lowered)
+            return _compat.boxed(lowered)
+
+        return _compat.aot_inference(gm, example_inputs, fw_compiler)
 
     def _compile_inductor(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], record: GraphRecord,
                           real_inputs: list, kinds: list[str]) -> Callable:
@@ -188,7 +202,7 @@ class Backend:
             options["force_disable_caches"] = True
             compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, self._pass_uuid(), options)
         if optimized:
-            self._cache_store(key, optimized[-1][1], optimized[-1][0])
+            self._cache_store(key, {**optimized[-1][1], "direct": None}, optimized[-1][0])
         elif stored is not None:
             self._restore(stored, record)
         return compiled
@@ -242,7 +256,10 @@ class Backend:
                       "verify and debug_dump_dir ask for every pass to run")
             self._report.fallback(f"cache_dir: {reason}, so graphs are compiled without the compile cache")
             return None
-        return cache.cache_key(self._pass_uuid(), cache.describe_graph(gm, inputs), _device_type(inputs))
+        device = _device_type(inputs)
+        # Dynamo guards on these, and AOTAutograd traces differently under them.
+        modes = f"grad={torch.is_grad_enabled()} autocast={torch.is_autocast_enabled(device)}"
+        return cache.cache_key(self._pass_uuid(), cache.describe_graph(gm, inputs), device, modes)
 
     def _cache_load(self, key: str | None) -> dict | None:
         return None if key is None else self._cache.load(key)
