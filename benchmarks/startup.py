@@ -3,7 +3,8 @@
 Each variant runs in a fresh child process twice against one fresh cache directory
 (graphopt's and Inductor's): the first start compiles everything, the second finds
 what the first stored. The reference decoder and a tiny random-weight HF Llama,
-4 new tokens at batch 4.
+4 new tokens at batch 4 ("first tokens"), then at batch sizes 1, 13 and 32 as a
+server meets them ("all sizes", max_num_seqs=32: 7 capture sizes).
 
     python benchmarks/startup.py                     # every variant, both models
     python benchmarks/startup.py --models decoder --variants "graphopt level 1"
@@ -25,10 +26,12 @@ from rich.table import Table
 VARIANTS = ["torch.compile", "graphopt level 1", "graphopt level 2", "graphopt level 1 + graphs"]
 MODELS = ["decoder", "hf-llama"]
 BATCH, PROMPT, NEW_TOKENS = 4, 8, 4
+LATER_BATCHES, MAX_NUM_SEQS = (1, 13, 32), 32
 
 
 def child(model_name: str, variant: str) -> None:
-    """Build the model, compile it as `variant`, generate; print seconds since spawn and cache hits."""
+    """Build the model, compile it as `variant`, generate at each batch size; print
+    seconds since spawn at the first tokens and after every size, and cache hits."""
     import torch
 
     import graphopt
@@ -39,14 +42,15 @@ def child(model_name: str, variant: str) -> None:
         compile_fn = lambda fn: torch.compile(fn)  # noqa: E731
     else:
         level = int(variant.split()[2])
-        config = graphopt.GraphOptimizationConfig(graph_opt_level=level, use_cudagraph=variant.endswith("graphs"),
-                                                  max_num_seqs=BATCH)
-        compile_fn = lambda fn: graphopt.optimize(fn, config)  # noqa: E731
-    ids = torch.randint(500, (BATCH, PROMPT))
+        options = graphopt.GraphOptimizationConfig(graph_opt_level=level, use_cudagraph=variant.endswith("graphs"),
+                                                   max_num_seqs=MAX_NUM_SEQS)
+        compile_fn = lambda fn: graphopt.optimize(fn, options)  # noqa: E731
     if model_name == "decoder":
-        model = graphopt.models.Decoder(graphopt.models.DecoderConfig.tiny()).eval()
+        model = graphopt.models.Decoder(graphopt.models.DecoderConfig.tiny(max_num_seqs=MAX_NUM_SEQS)).eval()
         step = compile_fn(model)
-        graphopt.models.generate(model, ids, NEW_TOKENS, step=step)
+
+        def run(batch: int) -> None:
+            graphopt.models.generate(model, torch.randint(500, (batch, PROMPT)), NEW_TOKENS, step=step)
     else:
         import transformers
 
@@ -54,11 +58,18 @@ def child(model_name: str, variant: str) -> None:
                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
         model = transformers.LlamaForCausalLM(config).eval()
         model.forward = step = compile_fn(model.forward)
-        with torch.inference_mode():
-            model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation="static",
-                           pad_token_id=0)
-    hits = getattr(step.report(), "cache_hits", None) if hasattr(step, "report") else None
-    print(json.dumps({"seconds": time.time() - float(os.environ["STARTUP_SPAWNED"]), "cache_hits": hits}))
+
+        def run(batch: int) -> None:
+            with torch.inference_mode():
+                model.generate(torch.randint(500, (batch, PROMPT)), max_new_tokens=NEW_TOKENS, do_sample=False,
+                               cache_implementation="static", pad_token_id=0)
+    spawned = float(os.environ["STARTUP_SPAWNED"])
+    run(BATCH)
+    first = time.time() - spawned
+    for batch in LATER_BATCHES:
+        run(batch)
+    hits = step.report().cache_hits if hasattr(step, "report") else None
+    print(json.dumps({"first": first, "all": time.time() - spawned, "cache_hits": hits}))
 
 
 def start(model_name: str, variant: str, cache_dir: str) -> dict:
@@ -81,7 +92,9 @@ def main() -> None:
         child(*args.child)
         return
     console = Console()
-    table = Table(title=f"Start-up to the first {NEW_TOKENS} tokens at batch {BATCH} (s, fresh process each)")
+    table = Table(title=f"Start-up, seconds from spawn: to the first {NEW_TOKENS} tokens at batch {BATCH} / after "
+                        f"batch sizes {', '.join(map(str, LATER_BATCHES))} too (fresh process each, one cache "
+                        "directory per variant)")
     for column in ("model", "variant", "first start", "second start", "ratio", "cache hits"):
         table.add_column(column, justify="left" if column in ("model", "variant") else "right")
     for model_name in args.models.split(","):
@@ -90,8 +103,10 @@ def main() -> None:
                 console.print(f"[dim]{model_name} / {variant} ...[/dim]")
                 first, second = start(model_name, variant, cache_dir), start(model_name, variant, cache_dir)
             hits = second["cache_hits"]
-            table.add_row(model_name, variant, f"{first['seconds']:.1f}", f"{second['seconds']:.1f}",
-                          f"{first['seconds'] / second['seconds']:.1f}x", "-" if hits is None else str(hits))
+            table.add_row(model_name, variant, f"{first['first']:.1f} / {first['all']:.1f}",
+                          f"{second['first']:.1f} / {second['all']:.1f}",
+                          f"{first['first'] / second['first']:.1f}x / {first['all'] / second['all']:.1f}x",
+                          "-" if hits is None else str(hits))
     console.print(table)
 
 
