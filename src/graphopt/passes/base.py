@@ -16,6 +16,7 @@ import torch
 import torch.fx
 
 from .._compat import known_true, same_sizes
+from ..kernels.collective import is_collective_op
 
 
 @dataclass
@@ -33,11 +34,20 @@ STRIDE_READERS = {aten.as_strided.default, aten.as_strided_scatter.default,
                     aten.sym_stride.int, aten.sym_storage_offset.default}
 
 
+def is_collective(node: torch.fx.Node) -> bool:
+    """True for a node that communicates with other ranks or waits for them
+    (`_c10d_functional.all_reduce`, `wait_tensor`, graphopt's fused all-reduce).
+    Every rank must run the same collectives in the same order, and the memory a
+    collective reads or fills may be in flight until its `wait_tensor`: passes never
+    remove, merge, fold or move one, nor write in place into its memory."""
+    return node.op == "call_function" and is_collective_op(node.target)
+
+
 def has_effect(node: torch.fx.Node) -> bool:
     """True for nodes that must run even when nothing reads their value: in-place
-    and out= writes, ops with side effects, and random ops (removing a draw would
-    shift every later random number)."""
-    return node.is_impure(impure_random=True)
+    and out= writes, ops with side effects, collectives (the other ranks wait for
+    them), and random ops (removing a draw would shift every later random number)."""
+    return node.is_impure(impure_random=True) or is_collective(node)
 
 
 def value_of(node: object) -> torch.Tensor | None:

@@ -106,6 +106,10 @@ def live_bytes(buffers: Sequence[tuple[int, int, int]], align: int = ALIGN) -> i
 
 # -- liveness of an FX graph ----------------------------------------------------------------
 
+# `_unsafe_view` is a view; `wait_tensor` returns the collective's result tensor itself.
+_RETURNS_INPUT = (torch.ops.aten._unsafe_view.default, torch.ops._c10d_functional.wait_tensor.default)
+
+
 def storages(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[Storage]]:
     """For each node, the buffer behind each result (one entry per element of a
     tuple result): its own for a new value, its input's for a view or an in-place
@@ -127,7 +131,7 @@ def _results(node: torch.fx.Node, found: dict[torch.fx.Node, list[Storage]]) -> 
         parent, index = node.args
         parents = found.get(parent, [])
         return [parents[index]] if isinstance(index, int) and -len(parents) <= index < len(parents) else own
-    if node.target is torch.ops.aten._unsafe_view.default:  # a view whose schema does not say so
+    if node.target in _RETURNS_INPUT:  # the same memory, though the schema does not say so
         return [found[node.args[0]][0]] if node.args[0] in found else own
     if not isinstance(node.target, torch._ops.OpOverload):
         return own  # a higher-order op or a Python function: assume new memory
@@ -181,13 +185,17 @@ class GraphPlan:
 
 
 def liveness(graph: torch.fx.Graph) -> list[Buffer]:
-    """Every buffer the graph's ops allocate, with its lifetime, in graph order."""
+    """Every buffer the graph's ops allocate, with its lifetime, in graph order.
+    What a collective reads lives until its `wait_tensor`: it may be sent until then."""
     where = storages(graph)
     first: dict[Storage, int] = {}
     last: dict[Storage, int] = {}
     values: dict[Storage, torch.Tensor] = {}
     for index, node in enumerate(graph.nodes):
-        for arg in node.all_input_nodes:
+        read = list(node.all_input_nodes)
+        if node.target is torch.ops._c10d_functional.wait_tensor.default and node.args[0] in where:
+            read += where[node.args[0]][0][0].all_input_nodes  # the inputs of the collective it waits for
+        for arg in read:
             for storage in where.get(arg, ()):
                 if storage in last:
                     last[storage] = index

@@ -19,7 +19,7 @@ import torch.fx
 
 from .. import _compat
 from .._compat import known_true, same_shape, same_sizes
-from .base import PassResult, has_effect, is_contiguous, is_view
+from .base import PassResult, has_effect, is_collective, is_contiguous, is_view
 from .memory_plan import Storage, storages
 
 aten = torch.ops.aten
@@ -191,6 +191,12 @@ def reinplace_intermediates(gm: torch.fx.GraphModule) -> PassResult:
     and the same layout for every later view), the input must cover its whole buffer
     (the buffer itself, or a contiguous view of all of it), no other argument of the
     op may share its memory, and the op must not be random or have side effects.
+    Memory a collective reads or fills is never written (it may be in flight until
+    the collective's `wait_tensor`, and the other ranks read it):
+
+        before:  ar = all_reduce(h);  w = wait_tensor(ar);  add = aten.add(w, residual)
+        after:   the same: `add_(w, ...)` would write into the all-reduce's buffer
+
     Since an output is read by the output node, after every op, memory an output
     uses is never written.
 
@@ -216,6 +222,8 @@ def reinplace_intermediates(gm: torch.fx.GraphModule) -> PassResult:
             storage = merged[storage]
         return storage
 
+    communicated = {s for node in nodes if is_collective(node)
+                     for arg in (node, *node.all_input_nodes) for s in where.get(arg, ())}
     last_read: dict[Storage, int] = {}
     for node in nodes:
         for arg in node.all_input_nodes:
@@ -229,7 +237,7 @@ def reinplace_intermediates(gm: torch.fx.GraphModule) -> PassResult:
         if not where.get(node.args[0]):
             continue
         written = find(where[node.args[0]][0])
-        if not _can_write(node, written, find, where, last_read, order):
+        if written in communicated or not _can_write(node, written, find, where, last_read, order):
             continue
         with graph.inserting_before(node):
             write = graph.call_function(variant, node.args, dict(node.kwargs))

@@ -12,7 +12,10 @@ capture is copied into the captured one, unless it is a static argument
 (parameter, buffer, mutated input): then the graph is captured again, since the
 graph must read and write the caller's tensor itself. The first run (any key)
 checks the callable for ops a device graph cannot replay; one found refuses
-capture for good, with the op and the user's line in the report.
+capture for good, with the op and the user's line in the report. It also notes
+the process groups the callable communicates over: then each capture ends with
+the ranks agreeing that every one of them captured (`ranks.py`), and if one
+failed, every rank runs the callable without device graphs from then on.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torch.utils._pytree import tree_leaves
 from ..config import GraphOptimizationConfig
 from ..report import CaptureRecord, PieceRecord, Report
 from .device_graph import DeviceGraph, graph_pool_handle, warmup_stream
+from .ranks import ranks_captured
 from .safety import CaptureGuard
 
 _key: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("graphopt_graph_key", default=None)
@@ -84,6 +88,7 @@ class CapturedGraph:
         self.entries: dict[tuple, _Entry] = {}
         self.checked = False
         self.refused: str | None = None
+        self.groups: list[str] = []  # process groups the callable's collectives use
         self.owns_outputs = False  # the last call's outputs live in a device graph's memory
 
     def __call__(self, *args: Any) -> Any:
@@ -118,6 +123,7 @@ class CapturedGraph:
         with warmup_stream(_device(args)), guard:
             outputs = self.fn(*args)
         self.checked = True
+        self.groups = guard.groups
         self.entries[key].warmups_left -= 1
         if guard.problems:
             first = guard.problems[0]
@@ -129,13 +135,21 @@ class CapturedGraph:
         start = time.perf_counter()
         device = _device(args)
         graph = DeviceGraph(device, self.config.capture_error_mode, self.pool.get(device))
+        outputs, error = None, None
         graph.capture_begin()
         try:
             outputs = self.fn(*args)
-        except BaseException:
+            graph.capture_end([t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)])
+        except BaseException as caught:
             graph.abort()
-            raise
-        graph.capture_end([t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)])
+            if not self.groups:
+                raise
+            error = caught  # the other ranks must hear of it before anyone raises or replays
+        if self.groups and not ranks_captured(self.groups, key[0] or 0, error is not None):
+            graph.reset()
+            return self._refuse_on_every_rank(error, outputs, args, executed=graph.executes_during_capture)
+        if error is not None:
+            raise error
         if not graph.executes_during_capture:
             graph.replay()  # a CUDA capture records without running
         entry.graph, entry.outputs = graph, outputs
@@ -145,6 +159,22 @@ class CapturedGraph:
         self.report.captures.append(CaptureRecord(key[0], graph.nbytes, time.perf_counter() - start, self.name))
         self.report.pools[id(self.pool.handle) if self.pool.shared else id(graph)] = \
             self._pool_bytes() if self.pool.shared else graph.nbytes
+        return outputs
+
+    def _refuse_on_every_rank(self, error: BaseException | None, outputs: Any, args: tuple, executed: bool) -> Any:
+        """A rank's capture failed: every rank drops its graph and runs the callable
+        from now on. This call's result is the capture's run where it completed
+        (a host graph runs the step as it records it), else an eager run."""
+        where = f"here ({type(error).__name__}: {error})" if error is not None else "on another rank"
+        self.refused = f"the capture failed {where}, so no rank of process groups {self.groups} replays it"
+        self.report.fallback(f"use_cudagraph: capture of {self.name} refused: {self.refused}")
+        for entry in self.entries.values():  # sizes captured before: never replayed again
+            if entry.graph is not None:
+                entry.graph.reset()
+        if not executed:
+            return self.fn(*args)
+        if error is not None and outputs is None:
+            raise error  # the step itself raised part-way: there is no result to give
         return outputs
 
     def _bring_inputs(self, entry: _Entry, args: tuple) -> bool:

@@ -11,6 +11,8 @@ capture, so outputs land in the same buffers every time, as with a CUDA graph:
 - in-place ops (`add_`, `index_put_`, `copy_`) run as they are; views need nothing;
 - a non-aliasing `to`, `_to_copy`, `clone`, `reshape`, `contiguous` or `flatten` is
   a `copy_` into its output;
+- a collective (`_c10d_functional.all_reduce`, ...) is issued, waited for and
+  copied into its output, in one tape entry (`_Communicate`, see there);
 - any other op is computed, then copied into its output: the only replays that
   allocate, counted in `copy_replays`.
 
@@ -54,6 +56,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from .. import _compat
 from ..bindings import exact_binding
+from ..kernels.collective import is_collective_op
 from ..passes.memory_plan import plan_offsets
 from .safety import CaptureGuard
 
@@ -329,6 +332,8 @@ def _replay_entry(op: Any, args: tuple, kwargs: dict, result: Any, fresh: list[b
     when nothing needs replaying (views, metadata changes, non-tensor results)."""
     if torch.Tag.inplace_view in op.tags or op.overloadpacket.__name__ in _METADATA:
         return None
+    if is_collective_op(op):
+        return _Communicate(op, args, kwargs, [t if new else None for t, new in zip(_tensors(result), fresh)]), (), {}
     if op._schema.is_mutable:
         return _binding(op, args, kwargs, kwargs, _INPLACE_NAMESPACES) or op, args, kwargs
     if not any(fresh):
@@ -359,6 +364,20 @@ class _Recompute:
 
     def __call__(self) -> None:
         for target, value in zip(self.targets, _tensors(self.op(*self.args, **self.kwargs))):
+            if target is not None:
+                target.copy_(value)
+
+
+class _Communicate(_Recompute):
+    """Replay of a collective: issue it, wait for it, copy the result into the outputs captured.
+    A functional collective fills its result later, at `wait_tensor`, whose result is not new
+    memory and so has no entry: replayed as `_Recompute`, the copy read the result before it
+    arrived. Waiting here gives up overlap of communication and compute, and never reuses a
+    buffer still being communicated."""
+
+    def __call__(self) -> None:
+        for target, value in zip(self.targets, _tensors(self.op(*self.args, **self.kwargs))):
+            torch.ops._c10d_functional.wait_tensor(value)
             if target is not None:
                 target.copy_(value)
 

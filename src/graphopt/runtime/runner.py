@@ -54,8 +54,14 @@ class GraphRunner:
         self.callers: set[int] = set()
         self.handed_out: list[weakref.ref] = []
         self._warned_held_outputs = False
+        self.unsupported: str | None = None  # why the inputs rule out device graphs ("" when they do not)
 
     def __call__(self, *args: Any) -> Any:
+        if self.unsupported is None:  # Dynamo guards the input types: checked once
+            self.unsupported = _unsupported_input(args)
+        if self.unsupported:
+            self.report.fallback(f"use_cudagraph: {self.unsupported}, so the graph runs without device graphs")
+            return self.graph(*args)
         try:
             batch = self.signature.batch_of(args)
         except BatchMismatch as error:
@@ -98,6 +104,18 @@ class GraphRunner:
             warnings.warn("an output of the previous replay is still referenced and is about to be "
                           "overwritten by this replay, as with any device graph; pass "
                           "clone_output=True to get fresh tensors from every call", stacklevel=3)
+
+
+def _unsupported_input(args: tuple) -> str:
+    """Why a device graph cannot take these inputs, or "": a tensor subclass (a
+    DTensor of torch's tensor-parallel API) or an object such as a DeviceMesh
+    cannot be put in a static buffer, nor recorded op by op as plain tensors."""
+    for i, value in enumerate(args):
+        if isinstance(value, torch.Tensor) and type(value) not in (torch.Tensor, torch.nn.Parameter):
+            return f"input {i} is a {type(value).__name__}, a tensor subclass"
+        if not isinstance(value, (torch.Tensor, int, float, bool, torch.SymInt, type(None))):
+            return f"input {i} is a {type(value).__name__}, not a tensor or a number"
+    return ""
 
 
 def _rows(out: Any, dim: int | None, batch: int | None, clone: bool) -> Any:

@@ -32,6 +32,8 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..kernels.collective import is_collective_op
+
 _SYNC = ("copies a value from the device to the host: a replay would reuse the value read at capture, "
          "and a CUDA capture fails on the sync")
 _SYNC_FIX = "compute it before the captured step, or keep it on the device (tensor ops instead of Python numbers)"
@@ -92,12 +94,14 @@ class CaptureError(RuntimeError):
 class CaptureGuard(TorchDispatchMode):
     """A dispatch mode that stops (or, with `collect=True`, records and lets run)
     every operation a device graph cannot replay. Push it above any recorder, so
-    an op that raises here is never recorded."""
+    an op that raises here is never recorded. It also notes the process groups the
+    step's collectives use (`groups`): the ranks of those must capture together."""
 
     def __init__(self, collect: bool = False):
         super().__init__()
         self.collect = collect
         self.problems: list[CaptureProblem] = []
+        self.groups: list[str] = []
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -112,6 +116,10 @@ class CaptureGuard(TorchDispatchMode):
             if not self.collect:
                 raise CaptureError(found)
             self.problems.append(found)
+        if is_collective_op(func):
+            group = _named_arguments(func, args, kwargs).get("group_name")
+            if isinstance(group, str) and group not in self.groups:
+                self.groups.append(group)
         return func(*args, **kwargs)
 
 

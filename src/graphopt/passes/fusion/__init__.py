@@ -36,6 +36,7 @@ def fusion_passes() -> dict[str, Callable]:
     """The library's fusion passes by name, in pipeline order."""
     from .activation import fuse_activations
     from .attention import fuse_attention
+    from .collective import fuse_all_reduce_norms
     from .eltwise import fuse_eltwise
     from .horizontal import fuse_horizontal_linear
     from .linear import fuse_matmul_transpose
@@ -44,7 +45,8 @@ def fusion_passes() -> dict[str, Callable]:
     from .replacement import USER_PATTERNS
     from .rotary import fuse_rotary
 
-    return {"user_replacements": USER_PATTERNS, "fuse_norms": fuse_norms, "fuse_attention": fuse_attention,
+    return {"user_replacements": USER_PATTERNS, "fuse_norms": fuse_norms,
+            "fuse_all_reduce_norms": fuse_all_reduce_norms, "fuse_attention": fuse_attention,
             "fuse_rotary": fuse_rotary, "fuse_activations": fuse_activations,
             "fuse_eltwise": fuse_eltwise, "fuse_pooling": fuse_pooling,
             "fuse_matmul_transpose": fuse_matmul_transpose, "fuse_horizontal_linear": fuse_horizontal_linear}

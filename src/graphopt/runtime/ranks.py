@@ -1,0 +1,39 @@
+"""Device graphs of a step that communicates: the ranks capture together.
+
+A graph with collectives pairs its all-reduces with the other ranks' at every
+replay, so the ranks must replay graphs of the same size at the same step, or run
+eagerly at the same step. Each rank captures lazily (at a size's first calls after
+its warm-ups), so ranks that see the same batch sizes in the same order, with the
+same config, capture the same sizes in the same order, as tensor parallelism
+requires. `ranks_captured` checks it after each capture with one all-reduce (MAX)
+of [failed, size, -size] over the step's own process group: a rank whose capture
+failed makes every rank fall back, and ranks at different sizes are an error, not
+a hang at the next replay.
+
+Private torch API (`_resolve_process_group`), to move into `_compat.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+
+def ranks_captured(group_names: list[str], size: int, failed: bool) -> bool:
+    """True when every rank of every group in `group_names` captured `size` without
+    failing; False when any rank failed. Raises when the ranks captured different sizes."""
+    everywhere = True
+    for name in group_names:
+        group = _resolve_process_group(name)
+        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+        flags = torch.tensor([int(failed), size, -size], dtype=torch.int64, device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        any_failed, largest, smallest = (int(f) for f in flags.tolist())
+        if largest != -smallest:
+            raise RuntimeError(
+                f"the ranks of process group {name!r} captured device graphs of different sizes at the same "
+                f"step ({-smallest} to {largest}): the ranks of a tensor-parallel step must run the same batch "
+                "sizes in the same order with the same cudagraph_capture_sizes")
+        everywhere = everywhere and not any_failed
+    return everywhere
