@@ -97,6 +97,17 @@ def inductor_available() -> bool:
     return True
 
 
+def distributed_initialized() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def process_group_named(name: str) -> Any:
+    """The process group a functional collective names in the graph (its `group_name`)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
 def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
     """Ask Dynamo to trace `dim` symbolically. `maybe_` because a size-1 dim is
     specialised by Dynamo (0/1 specialisation) rather than raising."""

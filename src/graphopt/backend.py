@@ -43,9 +43,10 @@ def inductor_options(device_type: str, cached: bool) -> dict[str, Any]:
         # the report without them; with it, graphopt's cache holds their records.
         "fx_graph_cache": cached,
     }
-    if device_type == "cpu":
+    if device_type == "cpu" and not _compat.distributed_initialized():
         # A C++ wrapper instead of a Python one: the decode step of the tiny decoder
-        # runs ~2x faster (100 vs 196 us at batch 1) for ~2x the compile time.
+        # runs ~2x faster (100 vs 196 us at batch 1) for ~2x the compile time. It
+        # cannot call c10d's collectives, so a process with a process group goes without.
         options["cpp_wrapper"] = True
     if device_type == "cuda":
         # graphopt's GraphRunner owns device graphs; Inductor's own would nest inside it.

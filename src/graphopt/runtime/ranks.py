@@ -9,15 +9,14 @@ requires. `ranks_captured` checks it after each capture with one all-reduce (MAX
 of [failed, size, -size] over the step's own process group: a rank whose capture
 failed makes every rank fall back, and ranks at different sizes are an error, not
 a hang at the next replay.
-
-Private torch API (`_resolve_process_group`), to move into `_compat.py`.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
+
+from .. import _compat
 
 
 def ranks_captured(group_names: list[str], size: int, failed: bool) -> bool:
@@ -25,7 +24,7 @@ def ranks_captured(group_names: list[str], size: int, failed: bool) -> bool:
     failing; False when any rank failed. Raises when the ranks captured different sizes."""
     everywhere = True
     for name in group_names:
-        group = _resolve_process_group(name)
+        group = _compat.process_group_named(name)
         device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
         flags = torch.tensor([int(failed), size, -size], dtype=torch.int64, device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
