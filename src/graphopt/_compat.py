@@ -457,10 +457,22 @@ def call_like_aot(graph: Callable, output_dims: list) -> Callable:
 
 
 def qualified_name(target: Any) -> str:
-    """The dotted name FX writes for a call_function target in generated code."""
+    """A dotted name that `object_by_name` turns back into `target`: FX's name for it
+    or, for one of torch's C bindings that FX names by its public alias (`torch.split`
+    is a Python wrapper, the graph calls `torch._C._VariableFunctions.split`), its
+    binding namespace's."""
     from torch.fx.node import _get_qualified_name
 
-    return _get_qualified_name(target)
+    name = _get_qualified_name(target)
+    short = getattr(target, "__name__", "")
+    for candidate in (name, *(f"torch._C.{space}.{short}" for space in ("_VariableFunctions", "_nn", "_linalg",
+                                                                       "_special", "_fft", "TensorBase"))):
+        try:
+            if object_by_name(candidate) is target:
+                return candidate
+        except (ImportError, AttributeError):
+            continue
+    return name
 
 
 def object_by_name(name: str) -> Any:

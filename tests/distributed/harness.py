@@ -56,7 +56,7 @@ def _entry(rank: int, worker: Callable, world: int, port: int, out: str, collect
            backend: str, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # 2 ranks on a 2-core machine
-    # Each test compiles afresh: the persistent compile cache is not yet checked for graphs with collectives.
+    # Each test compiles afresh (test_compile_cache.py turns the compile cache on for itself).
     os.environ["GRAPHOPT_CACHE_DIR"] = ""
     if backend == "nccl":
         torch.cuda.set_device(rank)
