@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo
+import torch.fx
 
 import graphopt
 from graphopt import cache
@@ -175,3 +176,22 @@ def test_config_cache_dir(monkeypatch, tmp_path):
         graphopt.GraphOptimizationConfig(cache_dir=str(tmp_path / "f"))
     with pytest.raises(TypeError, match="cache_dir must be a directory path"):
         graphopt.GraphOptimizationConfig(cache_dir=3)
+
+
+def test_subgraph_attributes_are_in_the_key_and_never_stored():
+    """A get_attr that reads a subgraph (a higher-order op's body) keys on the body's
+    code, and such a graph is refused for storing instead of failing when loaded."""
+
+    def graph_reading(body: torch.nn.Module) -> torch.fx.GraphModule:
+        root = torch.nn.Module()
+        root.body = torch.fx.symbolic_trace(body)
+        graph = torch.fx.Graph()
+        x = graph.placeholder("x")
+        graph.get_attr("body")
+        graph.output(graph.call_function(torch.relu, (x,)))
+        return torch.fx.GraphModule(root, graph)
+
+    relu, tanh = graph_reading(torch.nn.ReLU()), graph_reading(torch.nn.Tanh())
+    assert cache.describe_graph(relu, [torch.ones(2)]) != cache.describe_graph(tanh, [torch.ones(2)])
+    with pytest.raises(ValueError, match="get_attr body reads .*only tensor attributes can be stored"):
+        cache.dump_graph(relu)

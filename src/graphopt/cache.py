@@ -59,13 +59,19 @@ def cache_key(*parts: str) -> str:
 def describe_graph(gm: torch.fx.GraphModule, inputs: list) -> str:
     """Everything about `gm` that decides what compiling it gives: its code, the
     metadata of each input (shapes, symbolic where the graph's are, strides, dtypes,
-    devices) and the values of the tensors it holds as attributes."""
+    devices) and what its get_attr nodes read: tensors by value, subgraphs (the
+    bodies of higher-order ops) by their own description."""
     lines = [gm.code]
     for node, value in zip(gm.graph.find_nodes(op="placeholder"), inputs):
         traced = node.meta.get("val", node.meta.get("example_value"))
         lines.append(f"{node.name}: {describe_value(traced if isinstance(traced, torch.Tensor) else value)}")
-    for name, value in sorted(_tensor_attributes(gm).items()):
-        lines.append(f"{name}: {describe_value(value)} {tensor_digest(value)}")
+    for name, value in sorted(_attributes(gm).items()):
+        if isinstance(value, torch.fx.GraphModule):
+            lines.append(f"{name}: {describe_graph(value, [])}")
+        elif isinstance(value, torch.Tensor):
+            lines.append(f"{name}: {describe_value(value)} {tensor_digest(value)}")
+        else:
+            lines.append(f"{name}: {describe_value(value)}")
     return "\n".join(lines)
 
 
@@ -87,15 +93,10 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
-def _tensor_attributes(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
-    found = {}
-    for node in gm.graph.find_nodes(op="get_attr"):
-        value = gm
-        for part in str(node.target).split("."):
-            value = getattr(value, part, None)
-        if isinstance(value, torch.Tensor):
-            found[str(node.target)] = value
-    return found
+def _attributes(gm: torch.fx.GraphModule) -> dict[str, Any]:
+    """What each get_attr node of `gm` reads, by target."""
+    return {str(node.target): functools.reduce(getattr, str(node.target).split("."), gm)
+            for node in gm.graph.find_nodes(op="get_attr")}
 
 
 def dump_graph(gm: torch.fx.GraphModule) -> dict:
@@ -111,7 +112,11 @@ def dump_graph(gm: torch.fx.GraphModule) -> dict:
         except Exception as error:  # noqa: BLE001 - whatever pickle refuses, the graph cannot be stored
             raise ValueError(f"node {node.name} has an argument that cannot be stored ({error})") from None
         nodes.append((node.op, node.name, target, arguments))
-    return {"nodes": nodes, "attributes": _tensor_attributes(gm)}
+    attributes = _attributes(gm)
+    for name, value in attributes.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"get_attr {name} reads a {type(value).__name__}; only tensor attributes can be stored")
+    return {"nodes": nodes, "attributes": attributes}
 
 
 def load_graph(stored: dict) -> torch.fx.GraphModule:
