@@ -403,8 +403,9 @@ def inplace_overload(op: Any) -> Any:
 
 @contextlib.contextmanager
 def real_tensors() -> Iterator[None]:
-    """No fake mode and no tracing context: `torch.load` makes meta tensors while a
-    tracing context holds a fake mode, as it does inside a backend."""
+    """No fake mode and no tracing context: unpickling a tensor goes through
+    `torch.load`, which makes meta tensors while a tracing context holds a fake
+    mode, as it does inside a backend."""
     from torch._guards import tracing
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -424,7 +425,7 @@ def aot_wrapper_output_dims(graph_inputs: int, dynamo_inputs: int, inference: bo
     meta = getattr(context, "fw_metadata", None)
     if meta is None or graph_inputs != dynamo_inputs or not inference:
         return None
-    plain = (int, type(None), *[cls for cls in _aot_plain_meta_types()])
+    plain = (int, type(None), *_aot_plain_meta_types())
     if (meta.traced_tangents or meta.num_mutated_inp_runtime_indices or meta.num_outputs_aliased
             or meta.num_intermediate_bases or meta.tokens or meta.is_rng_op_functionalized
             or meta.grad_enabled_mutation is not None or torch.is_autocast_enabled("cpu")
