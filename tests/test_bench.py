@@ -21,20 +21,27 @@ SMOKE_CONTENDERS = ["eager", "torch.compile", "graphopt L0", "graphopt L0 + host
                     "graphopt L1 + host graphs", "ONNX Runtime"]
 
 
+README = "# A project\n\n## Measured\n\n<!-- graphopt bench: start -->\nold tables\n<!-- graphopt bench: end -->\n\n## Layout\n"
+SMOKE = ["bench", "--quick", "--workloads", "resnet", "--contenders",
+         "eager,compile,L0,L0+graphs,L1,L1+graphs,onnxruntime", "--threads", "1", "--markdown", "--no-startup"]
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    """A --quick run of the resnet workload, as Markdown: (exit code, stdout, stderr, JSON)."""
+    """A --quick run of the resnet workload, as Markdown and into a README:
+    (exit code, stdout, stderr, JSON, the README after)."""
     out = tmp_path_factory.mktemp("bench")
+    readme = out / "README.md"
+    readme.write_text(README)
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = main(["bench", "--quick", "--workloads", "resnet", "--contenders",
-                     "eager,compile,L0,L0+graphs,L1,L1+graphs,onnxruntime", "--threads", "1",
-                     "--out", str(out), "--markdown", "--no-startup"])
-    return code, stdout.getvalue(), stderr.getvalue(), json.loads((out / "bench.json").read_text())
+        code = main([*SMOKE, "--out", str(out), "--readme", str(readme)])
+    return (code, stdout.getvalue(), stderr.getvalue(), json.loads((out / "bench.json").read_text()),
+            readme.read_text())
 
 
 def test_quick_run_has_a_row_per_contender_with_outputs_equal_to_eager(smoke):
-    code, stdout, stderr, _ = smoke
+    code, stdout, stderr, _, _ = smoke
     assert code == 0
     rows = {cells[1]: cells for cells in (line.strip("|").split(" | ") for line in stdout.splitlines()
                                           if line.startswith("| "))}
@@ -48,8 +55,27 @@ def test_quick_run_has_a_row_per_contender_with_outputs_equal_to_eager(smoke):
     assert "NO (" not in stdout
 
 
+def test_readme_section_is_replaced_by_the_tables_and_the_command(smoke):
+    _, stdout, _, _, readme = smoke
+    before, _, rest = readme.partition("<!-- graphopt bench: start -->\n")
+    section, _, after = rest.partition("<!-- graphopt bench: end -->")
+    assert before == "# A project\n\n## Measured\n\n" and after == "\n\n## Layout\n"
+    assert "old tables" not in section
+    assert section.startswith("_Written by `graphopt bench --quick --workloads resnet")
+    tables = [line for line in stdout.splitlines() if line.startswith("| ")]
+    assert tables and all(line in section.splitlines() for line in tables)
+
+
+def test_readme_without_the_markers_is_refused_before_anything_runs(tmp_path, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text("# no section\n")
+    assert main([*SMOKE, "--out", str(tmp_path), "--readme", str(readme)]) == 2
+    assert "has no measured section: add a line '<!-- graphopt bench: start -->'" in capsys.readouterr().err
+    assert not (tmp_path / "bench.json").exists()
+
+
 def test_quick_run_writes_every_figure_to_json(smoke):
-    _, _, _, figures = smoke
+    _, _, _, figures, _ = smoke
     assert {"setup", "workloads"} <= figures.keys()
     assert {"device", "torch", "threads", "rounds", "tolerance", "quick"} <= figures["setup"].keys()
     resnet = figures["workloads"]["resnet"]

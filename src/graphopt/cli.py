@@ -6,6 +6,7 @@ levels with and without device graphs, ONNX Runtime) and writes the figures."""
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -218,26 +219,38 @@ def _bench_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/bench"), metavar="DIR",
                         help="where bench.json and bench.png go (default: benchmarks/out/bench)")
     parser.add_argument("--markdown", action="store_true",
-                        help="print the tables as Markdown (for the README's Measured section)")
+                        help="print the tables as Markdown")
+    parser.add_argument("--readme", type=Path, default=None, metavar="FILE",
+                        help="also write the Markdown tables into FILE, between its lines "
+                             "'<!-- graphopt bench: start -->' and '<!-- graphopt bench: end -->' "
+                             "(how the README's Measured section is made)")
 
 
-def _bench(args: argparse.Namespace) -> int:
+def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("graphopt bench: --device cuda, but torch sees no CUDA device (torch.cuda.is_available() "
               "is False); run on a GPU machine or use --device cpu", file=sys.stderr)
         return 2
+    if args.readme is not None:
+        try:
+            bench.measured_section(args.readme)
+        except (OSError, ValueError) as error:
+            print(f"graphopt bench: --readme {args.readme}: {error}", file=sys.stderr)
+            return 2
     options = bench.Options(args.workloads, args.contenders, args.device, args.quick,
                             args.rounds or (2 if args.quick else 10),
-                            not args.quick if args.startup is None else args.startup, torch.get_num_threads())
+                            not args.quick if args.startup is None else args.startup, torch.get_num_threads(),
+                            shlex.join(["graphopt", *argv]))
     console = Console()
     if not console.is_terminal:
         console = Console(width=220)  # no wrapped columns in a log or a pipe
     results = bench.run(options, console)
-    return bench.write(results, options, args.out, args.markdown, console)
+    return bench.write(results, options, args.out, args.markdown, console, args.readme)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser, demo = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -245,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         if args.threads is not None:
             torch.set_num_threads(args.threads)
-        return _bench(args)
+        return _bench(args, argv)
     if args.prompt_len + args.new_tokens > TINY.max_seq_len:
         demo.error(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} must be at most "
                    f"{TINY.max_seq_len} (the tiny decoder's max_seq_len)")

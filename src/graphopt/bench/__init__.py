@@ -16,14 +16,15 @@ from pathlib import Path
 from rich.console import Console
 
 from .contenders import contenders
-from .output import present
+from .output import measured_section, present
 from .suite import Options, WorkloadResult, run, setup
 from .workloads import WORKLOADS
 
 
-def write(results: list[WorkloadResult], options: Options, out: Path, as_markdown: bool, console: Console) -> int:
+def write(results: list[WorkloadResult], options: Options, out: Path, as_markdown: bool, console: Console,
+          readme: Path | None = None) -> int:
     """Print and write `results`; 1 when some contender's outputs differ from eager's."""
-    return present(results, setup(options), out, as_markdown, console)
+    return present(results, setup(options), out, as_markdown, console, readme)
 
 
-__all__ = ["WORKLOADS", "Options", "WorkloadResult", "contenders", "run", "write"]
+__all__ = ["WORKLOADS", "Options", "WorkloadResult", "contenders", "measured_section", "run", "write"]

@@ -149,11 +149,13 @@ def plot(workloads: dict[str, dict[str, Any]], path: Path) -> str:
 
 
 def present(results: list[WorkloadResult], setup: dict[str, Any], out: Path, as_markdown: bool,
-            console: Console) -> int:
+            console: Console, readme: Path | None = None) -> int:
     """Print every workload's tables (rich, or Markdown on stdout) and one line per
-    contender without a row, write bench.json and bench.png under `out`; 1 when some
+    contender without a row, write bench.json and bench.png under `out`, and with
+    `readme` the Markdown tables into that file's measured section; 1 when some
     contender's outputs differ from eager's, else 0."""
     info = Console(stderr=True, soft_wrap=True) if as_markdown else console
+    blocks: list[str] = []
     caption = (f"{setup['device']} ({setup['device_name']}) · torch {setup['torch']} · {setup['threads']} "
                f"thread(s) · median of {setup['rounds']} interleaved rounds · vs: speed-up of medians, "
                f"> 1 is faster · outputs within rtol/atol {tolerance_text(setup)} of eager's")
@@ -165,18 +167,23 @@ def present(results: list[WorkloadResult], setup: dict[str, Any], out: Path, as_
                            "command again with that cache; every child imports graphopt, eager's too",
                            *startup_cells(result.startup, setup["device"]), None))
         for title, text, headers, rows, mismatched in tables:
+            blocks.append(markdown(title, text, headers, rows))
             if as_markdown:
-                print(markdown(title, text, headers, rows) + "\n")
+                print(blocks[-1] + "\n")
             else:
                 console.print(rich_table(title, text, headers, rows, mismatched))
         for name, why in result.skipped.items():
             info.print(f"{result.name}: {name} left out: {why}", highlight=False, markup=False, soft_wrap=True)
+        blocks.extend(f"- {result.name}: {name} left out: {why}" for name, why in result.skipped.items())
     out.mkdir(parents=True, exist_ok=True)
     workloads = {r.name: {"title": r.title, "cases": r.cases, "startup": r.startup, "skipped": r.skipped}
                  for r in results}
     (out / "bench.json").write_text(to_json(setup, workloads))
     info.print(f"figures: {out / 'bench.json'}", highlight=False, markup=False)
     info.print(plot(workloads, out / "bench.png"), highlight=False, markup=False)  # "graphopt[bench]" is no markup
+    if readme is not None:
+        replace_measured(readme, "\n\n".join(blocks), setup)
+        info.print(f"tables written into {readme}", highlight=False, markup=False)
     differ = [(r.name, c.case, row.contender) for r in results for c in r.cases for row in c.rows
               if not row.outputs_equal]
     for workload, case, contender in differ:
@@ -187,3 +194,27 @@ def present(results: list[WorkloadResult], setup: dict[str, Any], out: Path, as_
 def tolerance_text(setup: dict[str, Any]) -> str:
     return ", ".join(f"{dtype.removeprefix('torch.')} {rtol:g}/{atol:g}"
                      for dtype, (rtol, atol) in setup["tolerance"].items())
+
+
+MEASURED_START = "<!-- graphopt bench: start -->"
+MEASURED_END = "<!-- graphopt bench: end -->"
+
+
+def measured_section(readme: Path) -> tuple[int, int]:
+    """Where the two markers of `readme`'s measured section are; ValueError without them."""
+    text = readme.read_text()
+    start, end = text.find(MEASURED_START), text.find(MEASURED_END)
+    if start < 0 or end < start:
+        raise ValueError(f"it has no measured section: add a line {MEASURED_START!r} and, below it, "
+                         f"a line {MEASURED_END!r} where graphopt bench should write its tables")
+    return start, end
+
+
+def replace_measured(readme: Path, tables: str, setup: dict[str, Any]) -> None:
+    """Put `tables` between the two markers of `readme`, with the command that made
+    them, replacing what was there; the rest of the file stays as it is."""
+    text = readme.read_text()
+    start, end = measured_section(readme)
+    made = (f"_Written by `{setup['command']}` on {setup['date']}; edit the command's output, "
+            "not these lines._")
+    readme.write_text(f"{text[:start]}{MEASURED_START}\n{made}\n\n{tables}\n{text[end:]}")

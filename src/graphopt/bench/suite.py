@@ -36,6 +36,7 @@ class Options:
     rounds: int = 10
     startup: bool = True
     threads: int = 1
+    command: str = "graphopt bench"  # the command line, as the README's measured section cites it
 
     @property
     def target_s(self) -> float:
@@ -129,6 +130,7 @@ def setup(options: Options) -> dict[str, Any]:
     """What the figures were measured on and with."""
     found: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": options.command,
         "device": options.device, "device_name": _device_name(options.device), "threads": options.threads,
         "quick": options.quick, "rounds": options.rounds, "warmups": WARMUPS, "python": platform.python_version(),
         "torch": torch.__version__, "workloads": options.workloads, "contenders": options.contenders,

@@ -102,7 +102,7 @@ def decoder(sizes: Sizes) -> Workload:
     """The reference decoder: a mixed stream of decode batch sizes (what a serving
     engine's scheduler produces), and the decode step alone at batch 1 and 16."""
     generator = _manual_seed(0)
-    config = sizes.pick(DecoderConfig.tiny(), DecoderConfig.tiny(),
+    config = sizes.pick(DecoderConfig.tiny(), DecoderConfig.small(),
                         DecoderConfig.bench(dtype=torch.bfloat16))
     model = Decoder(config).eval().to(sizes.device)
     segments, steps = sizes.pick((3, 2), (8, 4), (16, 8))

@@ -64,6 +64,14 @@ class DecoderConfig:
         return cls(**{**fields, **overrides})
 
     @classmethod
+    def small(cls, **overrides) -> DecoderConfig:
+        """About 3.4M parameters (29 linears, 13.6 MB in float32): the CPU benchmarks'
+        decoder, big enough that its GEMMs, not Python, set the floor."""
+        fields = dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_layers=4,
+                      num_heads=8, num_kv_heads=4, max_seq_len=128, max_num_seqs=16)
+        return cls(**{**fields, **overrides})
+
+    @classmethod
     def bench(cls, **overrides) -> DecoderConfig:
         """About 107M parameters (untied lm_head) for GPU benchmarks."""
         fields = dict(vocab_size=32000, hidden_size=768, intermediate_size=1408, num_layers=12,

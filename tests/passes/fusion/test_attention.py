@@ -15,6 +15,7 @@ from graphopt import _compat
 from graphopt.config import tolerance
 from graphopt.models import Decoder, DecoderConfig
 from graphopt.models.decoder import repeat_kv
+from graphopt.passes.fusion import gates
 from graphopt.passes.fusion.attention import fuse_attention
 from support import AtenGraph, aot_graph, decode_inputs, targets
 
@@ -225,6 +226,51 @@ def test_level2_graph(dtype):
           [aten.bmm.default, aten.amax.default, aten.exp.default, prims.convert_element_type.default], level=2)
 
 
+# --- the gate: single-token queries at level 2 on the CPU ------------------------
+
+def decode_qkv(dtype=torch.float32):
+    """One query token per sequence against a 2L-token cache, and its additive mask."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(B, 1, H, D, generator=gen).to(dtype).transpose(1, 2)
+    k, v = (torch.randn(B, KV, 2 * L, D, generator=gen).to(dtype) for _ in range(2))
+    mask = torch.zeros(B, 1, 1, 2 * L, dtype=dtype)
+    mask[..., L + 3:] = torch.finfo(dtype).min  # positions not yet written
+    return q, k, v, mask
+
+
+def test_decode_attention_is_gated_at_level2_on_cpu():
+    """Inductor's own code for a single-token query beats the CPU flash kernel
+    (gates.sdpa_loses): at level 2 the match is counted as gated and left alone."""
+    args = decode_qkv()
+    gm = post_grad_graph(decoder_attention, args)
+    before = [n.target for n in gm.graph.nodes]
+    result = fuse_attention(gm)
+    assert not result.changed and result.counts == {"gated": 1}
+    assert [n.target for n in gm.graph.nodes] == before
+
+
+def test_decode_attention_fuses_at_level1():
+    """At level 1 the fused kernel replaces ~10 Python-dispatched ops, so it fuses."""
+    # Left: SDPA, its getitem, the transpose and view merging the heads (one
+    # query row: no clone).
+    check(decoder_attention, decode_qkv(), 4, MATMUL_OPS + REPEAT_OPS)
+
+
+def test_decode_attention_fuses_at_level2_with_the_gates_off(monkeypatch):
+    """What benchmarks/fusion_gates.py times against the gated form."""
+    monkeypatch.setattr(gates, "ENABLED", False)
+    check(decoder_attention, decode_qkv(), 4,
+          [aten.bmm.default, aten.amax.default, aten.exp.default, prims.convert_element_type.default], level=2)
+
+
+def test_the_gate_holds_back_single_token_queries_at_level2_on_cpu_only():
+    """A longer query (prefill, encoders), another level or device is not gated."""
+    assert not gates.sdpa_loses(2, torch.device("cpu"), L)
+    assert gates.sdpa_loses(2, torch.device("cpu"), 1)
+    assert not gates.sdpa_loses(2, torch.device("cuda"), 1)
+    assert not gates.sdpa_loses(1, torch.device("cpu"), 1)
+
+
 # --- what must not fuse -------------------------------------------------------
 
 def softmax_over_queries(q, k, v):
@@ -308,3 +354,22 @@ def test_level2_end_to_end():
     with torch.inference_mode():
         torch.testing.assert_close(opt(q, k, v, mask), decoder_attention(q, k, v, mask), atol=1e-4, rtol=1e-4)
     assert opt.report().graphs[0].fused_ops == {"scaled_dot_product_attention": 1}
+
+
+@pytest.mark.skipif(not _compat.inductor_available(), reason="level 2 needs a C++ compiler")
+def test_level2_decoder_leaves_decode_attention_to_inductor():
+    """The reference decoder's decode step at level 2 on the CPU: every layer's
+    attention is gated, none becomes SDPA, and the steps match eager's."""
+    torch.manual_seed(0)
+    reference = Decoder(DecoderConfig.tiny()).eval()
+    model = Decoder(DecoderConfig.tiny()).eval()
+    model.load_state_dict(reference.state_dict())
+    opt = graphopt.optimize(model, graphopt.GraphOptimizationConfig(graph_opt_level=2, use_cudagraph=False))
+    with torch.inference_mode():
+        for step, batch in enumerate((2, 3)):
+            inputs = decode_inputs(batch, position=5 + step)
+            torch.testing.assert_close(opt(*inputs), reference(*inputs), atol=1e-4, rtol=1e-4)
+    report = opt.report()
+    records = [p for p in report.passes if p.name == "fuse_attention"]
+    assert records and all(p.counts == {"gated": 2} for p in records)
+    assert all("scaled_dot_product_attention" not in g.fused_ops for g in report.graphs)

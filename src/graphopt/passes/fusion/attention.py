@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from ... import _compat
 from ..base import PassResult, value_of
 from ..strides import restrided, same_strides, set_values
-from . import FUSED_ATEN_OPS
+from . import FUSED_ATEN_OPS, gates
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -49,22 +49,32 @@ def fuse_attention(gm: torch.fx.GraphModule) -> PassResult:
     scale after the mask, a mask of another dtype, other fills, a softmax over
     another dim, float32 on CUDA without TF32 allowed, or intermediates read
     elsewhere (attention weights returned). Query rows whose keys are all masked
-    may differ: eager gives NaN for -inf fills, SDPA zeros.
+    may differ: eager gives NaN for -inf fills, SDPA zeros. Single-token queries
+    at level 2 on the CPU are left to Inductor, which does them faster
+    (`gates.sdpa_loses`), and counted as `gated`.
 
     A direct FX pass, not a `PatternSet`: attention comes in more forms than
     patterns can list (the variants above, times the views, expands and clones
     each matmul decomposes into, which depend on the operands' strides). Each
     matmul is read back to its logical operands, and the stages between walked.
     """
-    decompositions = _compat.inductor_decompositions() if gm.meta.get("graphopt_level", 1) == 2 else {}
+    level = gm.meta.get("graphopt_level", 1)
+    decompositions = _compat.inductor_decompositions() if level == 2 else {}
     mode = _compat.fake_mode_of(gm) or contextlib.nullcontext()  # SDPA is traced on the graph's values
-    fused = 0
+    fused = gated = 0
     for node in list(gm.graph.nodes):  # replaced nodes stay (dead) until the end
         found = _match(gm, node) if node.op == "call_function" else None
-        fused += found is not None and _replace(gm, found, decompositions, mode)
+        if found is None:
+            continue
+        q = value_of(found.q)
+        if gates.sdpa_loses(level, q.device, q.shape[-2]):
+            gated += 1
+            continue
+        fused += _replace(gm, found, decompositions, mode)
     if fused:
         gm.graph.eliminate_dead_code()
-    return PassResult(changed=fused > 0, counts={"scaled_dot_product_attention": fused} if fused else {})
+    counts = {"scaled_dot_product_attention": fused} if fused else {}
+    return PassResult(changed=fused > 0, counts={**counts, "gated": gated} if gated else counts)
 
 
 @dataclass
