@@ -3,7 +3,6 @@ run), and the report's memory section."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.fx
 from hypothesis import HealthCheck, given, settings

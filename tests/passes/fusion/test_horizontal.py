@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import graphopt
 from graphopt.config import tolerance
-from graphopt.models import Decoder, DecoderConfig
+from graphopt.models import DecoderConfig
 from graphopt.passes.cleanup import cse
 from graphopt.passes.constant_fold import FROZEN_INPUTS, refresh_folded_constants
 from graphopt.passes.fusion.horizontal import fuse_horizontal_linear
