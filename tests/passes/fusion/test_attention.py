@@ -326,19 +326,25 @@ def test_mask_of_another_dtype_is_left_alone():
 
 # --- end to end ---------------------------------------------------------------
 
-def test_decoder_end_to_end():
-    """Every layer of the reference Decoder (KV cache, repeat_kv, additive mask)
-    fuses, and its decode steps match eager's."""
+def decoder_report(level):
+    """Two decode steps of the tiny reference Decoder at `level`, checked against
+    eager's; the report."""
     torch.manual_seed(0)
     reference = Decoder(DecoderConfig.tiny()).eval()
     model = Decoder(DecoderConfig.tiny()).eval()
     model.load_state_dict(reference.state_dict())
-    opt = graphopt.optimize(model, graphopt.GraphOptimizationConfig(graph_opt_level=1, use_cudagraph=False))
+    opt = graphopt.optimize(model, graphopt.GraphOptimizationConfig(graph_opt_level=level, use_cudagraph=False))
     with torch.inference_mode():
         for step, batch in enumerate((2, 3)):
             inputs = decode_inputs(batch, position=5 + step)
             torch.testing.assert_close(opt(*inputs), reference(*inputs), atol=1e-4, rtol=1e-4)
-    report = opt.report()
+    return opt.report()
+
+
+def test_decoder_end_to_end():
+    """Every layer of the reference Decoder (KV cache, repeat_kv, additive mask)
+    fuses, and its decode steps match eager's."""
+    report = decoder_report(level=1)
     assert all(g.fused_ops.get("scaled_dot_product_attention") == 2 for g in report.graphs)
 
 
@@ -360,16 +366,7 @@ def test_level2_end_to_end():
 def test_level2_decoder_leaves_decode_attention_to_inductor():
     """The reference decoder's decode step at level 2 on the CPU: every layer's
     attention is gated, none becomes SDPA, and the steps match eager's."""
-    torch.manual_seed(0)
-    reference = Decoder(DecoderConfig.tiny()).eval()
-    model = Decoder(DecoderConfig.tiny()).eval()
-    model.load_state_dict(reference.state_dict())
-    opt = graphopt.optimize(model, graphopt.GraphOptimizationConfig(graph_opt_level=2, use_cudagraph=False))
-    with torch.inference_mode():
-        for step, batch in enumerate((2, 3)):
-            inputs = decode_inputs(batch, position=5 + step)
-            torch.testing.assert_close(opt(*inputs), reference(*inputs), atol=1e-4, rtol=1e-4)
-    report = opt.report()
+    report = decoder_report(level=2)
     records = [p for p in report.passes if p.name == "fuse_attention"]
     assert records and all(p.counts == {"gated": 2} for p in records)
     assert all("scaled_dot_product_attention" not in g.fused_ops for g in report.graphs)
