@@ -16,6 +16,8 @@ import torch.fx
 
 import graphopt
 from graphopt import cache
+from graphopt.backend import Backend
+from graphopt.config import GraphOptimizationConfig
 from graphopt.models import generate
 from graphopt.report import Report
 
@@ -78,6 +80,13 @@ def test_a_changed_config_or_version_is_a_miss(decoder, tmp_path, monkeypatch):
     tokens, other_torch = run(decoder, tmp_path)
     assert other_torch.cache_misses == 1 and torch.equal(tokens, generate(decoder, PROMPTS, 6))
     assert len(entries(tmp_path)) == 3
+
+
+def test_inductor_options_are_in_the_key():
+    """Level 2's code depends on inductor_compile_config: two configs never share an entry."""
+    plain = Backend(GraphOptimizationConfig(graph_opt_level=2))
+    tuned = Backend(GraphOptimizationConfig(graph_opt_level=2, inductor_compile_config={"max_autotune": True}))
+    assert plain._pass_uuid() != tuned._pass_uuid()
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "foreign"])

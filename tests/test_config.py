@@ -33,6 +33,7 @@ def test_defaults():
     assert cfg.disabled_passes == []
     assert cfg.debug_dump_dir is None
     assert cfg.verify is False
+    assert cfg.inductor_compile_config == {}
     assert cfg.cudagraph_capture_sizes == SIZES_256
     assert len(cfg.cudagraph_capture_sizes) == 27
     assert cfg.cudagraph_capture_sizes[0] == 1
@@ -150,6 +151,8 @@ def test_from_json_null_sizes_means_default():
             disabled_passes=["cse", "dce"],
             debug_dump_dir="/tmp/graphopt-dump",
             verify=True,
+            inductor_compile_config={"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                                     "freezing": True},
         ),
     ],
 )
@@ -360,6 +363,35 @@ def test_pass_enabled_star_disables_all():
 
 def test_disabled_passes_tuple_becomes_list():
     assert GraphOptimizationConfig(disabled_passes=("cse",)).disabled_passes == ["cse"]
+
+
+# --- inductor_compile_config -----------------------------------------------------------
+
+
+def test_inductor_compile_config_is_a_copy():
+    options = {"max_autotune": True}
+    cfg = GraphOptimizationConfig(inductor_compile_config=options)
+    options["cpp_wrapper"] = False
+    assert cfg.inductor_compile_config == {"max_autotune": True}
+
+
+@pytest.mark.parametrize("options,exc,pattern", [
+    ({"max_autotun": True}, ValueError, "'max_autotun' is not an Inductor option; did you mean 'max_autotune'"),
+    ({"no_such_thing_at_all": 1}, ValueError, r"torch._inductor.list_options\(\) lists them"),
+    ({"triton.cudagraphs": True}, ValueError, "'triton.cudagraphs' is set by graphopt itself"),
+    ({"fx_graph_cache": True}, ValueError, "'fx_graph_cache' is set by graphopt itself"),
+    ({"max_autotune": [True]}, TypeError, "'max_autotune' is \\[True\\] \\(list\\)"),
+    (["max_autotune"], TypeError, "must be a mapping of Inductor option names"),
+    ({"freezing": True}, ValueError, "freezing=True bakes the weights .* needs freeze_parameters=True"),
+])
+def test_inductor_compile_config_refuses(options, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        GraphOptimizationConfig(inductor_compile_config=options)
+
+
+def test_inductor_freezing_with_frozen_parameters():
+    cfg = GraphOptimizationConfig(freeze_parameters=True, inductor_compile_config={"freezing": True})
+    assert cfg.inductor_compile_config == {"freezing": True}
 
 
 # --- tolerances -------------------------------------------------------------------------

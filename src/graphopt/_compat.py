@@ -8,6 +8,7 @@ signature moved, so an upgrade breaks this file and no other.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import re
 import weakref
@@ -84,6 +85,14 @@ def _custom_graph_pass(fn: Callable[[torch.fx.Graph], None], pass_uuid: str) -> 
             return pass_uuid
 
     return _GraphoptPostGradPass()
+
+
+@functools.cache
+def inductor_option_names() -> frozenset[str]:
+    """Every Inductor config key `torch.compile(options=...)` takes."""
+    import torch._inductor
+
+    return frozenset(torch._inductor.list_options())
 
 
 def inductor_available() -> bool:

@@ -196,7 +196,8 @@ class Backend:
         def post_grad_pass(graph: torch.fx.Graph) -> None:
             optimized.append((graph.owning_module, self._optimize(graph.owning_module, record, real_inputs, kinds)))
 
-        options = inductor_options(_device_type(real_inputs), cached=key is not None)
+        options = {**inductor_options(_device_type(real_inputs), cached=key is not None),
+                   **self.config.inductor_compile_config}
         compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, self._pass_uuid(), options)
         if key is not None and not optimized and stored is None:
             # Inductor's cache had the code but graphopt's records are gone: compile once more for them.
@@ -332,7 +333,8 @@ class Backend:
         every cache key). Inductor's FX graph cache keys on it too."""
         config = self.config
         fields = {"graph_opt_level": config.graph_opt_level, "disabled_passes": sorted(config.disabled_passes),
-                  "freeze_parameters": config.freeze_parameters}
+                  "freeze_parameters": config.freeze_parameters,
+                  "inductor_compile_config": config.inductor_compile_config}
         return cache.cache_key(json.dumps(fields, sort_keys=True), USER_PATTERNS.fingerprint())
 
 

@@ -105,6 +105,8 @@ class GraphOptimizationConfig:
     verify: bool = False
     # The persistent compile cache (cache.py); None switches it off.
     cache_dir: str | None = field(default_factory=default_cache_dir)
+    # Inductor config keys for level 2, on top of graphopt's own (vLLM's inductor_compile_config).
+    inductor_compile_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_int("graph_opt_level", self.graph_opt_level, choices=GRAPH_OPT_LEVELS)
@@ -125,6 +127,8 @@ class GraphOptimizationConfig:
         _check_dump_dir(self.debug_dump_dir)
         _check_bool("verify", self.verify)
         self.cache_dir = _cache_dir(self.cache_dir)
+        self.inductor_compile_config = _inductor_compile_config(self.inductor_compile_config,
+                                                                self.freeze_parameters)
 
     def pass_enabled(self, name: str) -> bool:
         """Whether the graph pass ``name`` should run ("*" in disabled_passes turns all off)."""
@@ -151,6 +155,7 @@ class GraphOptimizationConfig:
         data["cudagraph_capture_sizes"] = list(self.cudagraph_capture_sizes or ())
         data["disabled_passes"] = list(self.disabled_passes)
         data["cudagraph_splitting_ops"] = list(self.cudagraph_splitting_ops)
+        data["inductor_compile_config"] = dict(self.inductor_compile_config)
         return data
 
     def to_json(self) -> str:
@@ -283,6 +288,41 @@ def _cache_dir(value: object) -> str | None:
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{accepted}, got {path!r}, which is a file")
     return path
+
+
+# Inductor options graphopt decides itself: its runtime owns device graphs, and its
+# compile cache decides when Inductor's FX graph cache may answer.
+RESERVED_INDUCTOR_OPTIONS: Final = ("triton.cudagraphs", "fx_graph_cache", "post_grad_custom_post_pass")
+# Inductor options whose compiled code holds copies of the weights, taken at compile time.
+WEIGHT_COPYING_INDUCTOR_OPTIONS: Final = ("freezing", "max_autotune", "max_autotune_gemm")
+
+
+def _inductor_compile_config(value: object, freeze_parameters: bool) -> dict[str, Any]:
+    accepted = ('inductor_compile_config must be a mapping of Inductor option names to numbers, strings, '
+                'booleans or null, e.g. {"max_autotune": true}')
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{accepted}, got {_describe(value)}")
+    if not value:
+        return {}
+    from . import _compat
+
+    known = _compat.inductor_option_names()
+    for key, option in value.items():
+        if not isinstance(key, str) or key not in known:
+            close = difflib.get_close_matches(key, known, n=1) if isinstance(key, str) else []
+            hint = f"; did you mean {close[0]!r}?" if close else " (torch._inductor.list_options() lists them)"
+            raise ValueError(f"inductor_compile_config: {key!r} is not an Inductor option{hint}")
+        if key in RESERVED_INDUCTOR_OPTIONS:
+            raise ValueError(f"inductor_compile_config: {key!r} is set by graphopt itself (its runtime owns "
+                             "device graphs and its compile cache decides when Inductor's may answer); "
+                             "leave it out")
+        if option is not None and not isinstance(option, (bool, int, float, str)):
+            raise TypeError(f"{accepted}; {key!r} is {_describe(option)}")
+    if value.get("freezing") and not freeze_parameters:
+        raise ValueError("inductor_compile_config: freezing=True bakes the weights into the compiled code, "
+                         "so in-place weight updates would silently not be seen; it needs "
+                         "freeze_parameters=True, which says the weights are constant")
+    return dict(value)
 
 
 def _check_keys(d: Mapping[Any, Any], accepted: tuple[str, ...]) -> None:

@@ -91,3 +91,27 @@ def test_level_2_folds_and_refreshes_inside_inductor():
         model.weight.mul_(-2)
         assert sum(refresh_folded_constants(gm) for gm in opt.graphs()) == 1
         torch.testing.assert_close(opt(x), model(x))
+
+
+@pytest.mark.skipif(not _compat.inductor_available(), reason="Inductor needs a C++ compiler")
+def test_level_2_takes_inductor_options_and_refresh_refuses_packed_weights(monkeypatch):
+    """inductor_compile_config reaches Inductor on top of graphopt's options; with
+    the C++ GEMM template packing frozen weights, refresh() says it cannot update
+    them instead of leaving stale copies."""
+    from graphopt import backend
+
+    seen = []
+    compile_ = _compat.inductor_compile
+    monkeypatch.setattr(backend._compat, "inductor_compile",
+                        lambda gm, inputs, post, uuid, options: seen.append(options) or
+                        compile_(gm, inputs, post, uuid, options))
+    model = Projection().eval()
+    options = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+    opt = optimized(model, level=2, freeze_parameters=True, inductor_compile_config=options, cache_dir=None)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+    assert seen and all(o.items() >= options.items() and o["cpp_wrapper"] for o in seen)
+    with pytest.raises(RuntimeError, match="max_autotune=True the compiled code holds copies of the frozen "
+                                           "weights .* call optimize\\(\\) on the model again"):
+        opt.refresh()

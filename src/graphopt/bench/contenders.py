@@ -32,11 +32,18 @@ class Contender:
     level: int = 0
     device_graphs: bool = False
     mode: str | None = None   # torch.compile's mode
+    tuned: bool = False       # graphopt with frozen weights and Inductor's autotuned GEMMs (TUNED)
 
     @property
     def competitor(self) -> bool:
         """Whether graphopt is measured against it (everything that is not graphopt)."""
         return self.kind != "graphopt"
+
+
+# Level 2's opt-in Inductor options per device (README, "Level 2's Inductor settings"):
+# GEMMs autotuned over Inductor's templates, which pack the frozen weights.
+TUNED = {"cpu": {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"},
+         "cuda": {"max_autotune": True}}
 
 
 def contenders(device: str) -> list[Contender]:
@@ -50,6 +57,8 @@ def contenders(device: str) -> list[Contender]:
     for level in (0, 1, 2):
         found.append(Contender(f"L{level}", f"graphopt L{level}", "graphopt", level))
         found.append(Contender(f"L{level}+graphs", f"graphopt L{level} + {graphs}", "graphopt", level, True))
+    found.append(Contender("L2+tuned", "graphopt L2 frozen, autotuned GEMMs" + (f" + {graphs}" if cuda else ""),
+                           "graphopt", 2, device_graphs=cuda, tuned=True))
     found.append(Contender("onnxruntime", "ONNX Runtime", "onnxruntime"))
     return found
 
@@ -61,8 +70,10 @@ def build(contender: Contender, workload: Workload, device: str) -> Step:
     if contender.kind == "torch.compile":
         return workload.bind(lambda target: torch.compile(target, mode=contender.mode))
     if contender.kind == "graphopt":
+        tuned = dict(freeze_parameters=True, inductor_compile_config=TUNED[device.split(":")[0]]) \
+            if contender.tuned else {}
         config = GraphOptimizationConfig(graph_opt_level=contender.level, use_cudagraph=contender.device_graphs,
-                                         cudagraph_capture_sizes=workload.capture_sizes)
+                                         cudagraph_capture_sizes=workload.capture_sizes, **tuned)
         return workload.bind(lambda target: optimize(target, config, pad_values=workload.pad_values))
     if device.startswith("cuda"):
         raise Unavailable("ONNX Runtime runs on the CPU here; left out with --device cuda")
