@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any, Callable
 
 import torch
@@ -27,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 import graphopt
-from graphopt.bench.measure import compare
+from graphopt.bench.measure import compare, seconds_per_call
 from graphopt.bench.workloads import WORKLOADS, Sizes, Workload
 from graphopt.passes.fusion import fusion_passes, gates
 
@@ -70,21 +69,21 @@ def _rewrites(step: Callable) -> tuple[list[str], list[str]]:
     return changed, held
 
 
-def _ratios(runs: dict[str, Callable[[], Any]], rounds: int, target_s: float) -> dict[str, list[float]]:
-    """Per round, each variant's time over the baseline's (the first run) just before it."""
-    def seconds(run: Callable[[], Any], calls: int) -> float:
-        start = time.perf_counter()
-        for _ in range(calls):
-            run()
-        return (time.perf_counter() - start) / calls
-
-    baseline = next(iter(runs.values()))
+def _ratios(baseline: Callable[[], Any], variants: dict[str, Callable[[], Any]], rounds: int,
+            target_s: float) -> dict[str, list[float]]:
+    """Per round, each variant's time over the baseline's, timed just before it.
+    Each run is called 3 times first: a run on fresh inputs captures its host graph
+    again, ~50x a replay, which would swamp a short benchmark's first round."""
     with torch.inference_mode():
-        calls = max(1, round(target_s / seconds(baseline, 1)))
-        ratios: dict[str, list[float]] = {name: [] for name in runs}
+        for run in [baseline, *variants.values()]:
+            for _ in range(3):
+                run()
+        calls = max(1, round(target_s / seconds_per_call(baseline)))
+        ratios: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(rounds):
-            for name, run in runs.items():
-                ratios[name].append(seconds(run, calls) / seconds(baseline, calls))
+            for name, run in variants.items():
+                base = seconds_per_call(baseline, runs=calls)
+                ratios[name].append(seconds_per_call(run, runs=calls) / base)
     return ratios
 
 
@@ -120,10 +119,9 @@ def main() -> None:
                 outputs[f"+{fusion}"] = _warm(steps[f"+{fusion}"], workload, gated=False)
             console.print(f"{name} level {level}: fusions that rewrite {changed}, gated {held}")
             for i, case in enumerate(workload.cases):
-                ratios = _ratios({v: case.runner(step) for v, step in steps.items()}, args.rounds, 0.05)
-                for variant in steps:
-                    if variant == "shipped":
-                        continue
+                variants = {v: case.runner(step) for v, step in steps.items() if v != "shipped"}
+                ratios = _ratios(case.runner(baseline), variants, args.rounds, 0.05)
+                for variant in variants:
                     median = statistics.median(ratios[variant])
                     off = variant.startswith("-")
                     # A "-" variant runs without the rewrite; a "+" variant with the gated rewrite.

@@ -233,7 +233,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return 2
     if args.readme is not None:
         try:
-            bench.measured_section(args.readme)
+            bench.measured_section(args.readme.read_text())
         except (OSError, ValueError) as error:
             print(f"graphopt bench: --readme {args.readme}: {error}", file=sys.stderr)
             return 2

@@ -121,15 +121,15 @@ def interleaved_rounds(runs: dict[str, Callable[[], Any]], rounds: int, device: 
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     times: dict[str, list[float]] = {name: [] for name in runs}
     with torch.inference_mode():
-        calls = max(1, round(target_s / max(_seconds(next(iter(runs.values())), sync), 1e-6)))
+        calls = max(1, round(target_s / max(seconds_per_call(next(iter(runs.values())), sync), 1e-6)))
         for i in range(rounds):
             for name, run in runs.items():
                 tick(f"round {i + 1}/{rounds}: {name}")
-                times[name].append(_seconds(run, sync, calls) * 1e6)
+                times[name].append(seconds_per_call(run, sync, calls) * 1e6)
     return times
 
 
-def _seconds(run: Callable[[], Any], sync: Callable[[], None], runs: int = 1) -> float:
+def seconds_per_call(run: Callable[[], Any], sync: Callable[[], None] = lambda: None, runs: int = 1) -> float:
     """Seconds per call of `run`, averaged over `runs` calls."""
     sync()
     start = time.perf_counter()
@@ -168,5 +168,5 @@ def hbm_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    seconds = min(_seconds(lambda: dst.copy_(src), torch.cuda.synchronize, 10) for _ in range(3))
+    seconds = min(seconds_per_call(lambda: dst.copy_(src), torch.cuda.synchronize, 10) for _ in range(3))
     return 2 * nbytes / seconds

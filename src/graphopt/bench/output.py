@@ -200,9 +200,8 @@ MEASURED_START = "<!-- graphopt bench: start -->"
 MEASURED_END = "<!-- graphopt bench: end -->"
 
 
-def measured_section(readme: Path) -> tuple[int, int]:
-    """Where the two markers of `readme`'s measured section are; ValueError without them."""
-    text = readme.read_text()
+def measured_section(text: str) -> tuple[int, int]:
+    """Where the two markers of a README's measured section are in `text`; ValueError without them."""
     start, end = text.find(MEASURED_START), text.find(MEASURED_END)
     if start < 0 or end < start:
         raise ValueError(f"it has no measured section: add a line {MEASURED_START!r} and, below it, "
@@ -214,7 +213,7 @@ def replace_measured(readme: Path, tables: str, setup: dict[str, Any]) -> None:
     """Put `tables` between the two markers of `readme`, with the command that made
     them, replacing what was there; the rest of the file stays as it is."""
     text = readme.read_text()
-    start, end = measured_section(readme)
+    start, end = measured_section(text)
     made = (f"_Written by `{setup['command']}` on {setup['date']}; edit the command's output, "
             "not these lines._")
     readme.write_text(f"{text[:start]}{MEASURED_START}\n{made}\n\n{tables}\n{text[end:]}")
