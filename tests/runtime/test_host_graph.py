@@ -4,6 +4,7 @@ in a pool arena planned by lifetime."""
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -12,9 +13,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import graphopt
 from graphopt import _compat
 from graphopt.config import tolerance
+from graphopt.runtime import native_tape
 from graphopt.runtime.host_graph import HostGraph, HostPool
 from graphopt.runtime.safety import CaptureError
 from support import decode_inputs
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def replay_from(request, monkeypatch):
+    """Every test runs on both tapes: C++ (the default) and the Python fallback."""
+    monkeypatch.setattr(native_tape, "ENABLED", request.param == "native")
+    return request.param
 
 
 class OpLog(TorchDispatchMode):
@@ -289,3 +298,54 @@ def test_a_graph_reading_another_graphs_output_in_the_same_pool_is_placed_after_
         torch.testing.assert_close(h, expected)
         torch.testing.assert_close(y, (expected + 1) * (expected - 1))
     assert pool.nbytes >= first.nbytes + 4 * 8 * 4
+
+
+def python_calls_during(fn) -> int:
+    """Python-level calls (Python functions and builtins) made while `fn` runs."""
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_native_replay_makes_no_python_call_per_op(decoder, replay_from):
+    ids, positions, slots = step_buffers(4, [3, 0, 12, 7])
+    reference = copy.deepcopy(decoder)
+    with torch.inference_mode():
+        graph, logits = capture(decoder, ids, positions, slots)
+        ops = len(graph._tape)
+        calls = python_calls_during(graph.replay)
+        torch.testing.assert_close(logits, reference(ids, positions, slots), atol=1e-4, rtol=1e-4)
+    assert ops > 50
+    if replay_from == "native":
+        assert graph.replays_natively, f"no native tape: {native_tape.unavailable()}"
+        assert graph.python_entries == 0
+        assert calls <= 5, f"{calls} Python calls replaying {ops} ops"  # replay(), its checks, the C++ call
+    else:
+        assert not graph.replays_natively and graph.python_entries == ops
+        assert calls >= ops
+
+
+def test_without_the_extension_host_graphs_replay_from_python_and_say_why(decoder, monkeypatch, caplog):
+    monkeypatch.setattr(native_tape, "ENABLED", True)
+    monkeypatch.setattr(native_tape, "_module", lambda: (None, "the native tape could not be built (no compiler)"))
+    reference = copy.deepcopy(decoder)
+    opt = graphopt.optimize(decoder, graphopt.GraphOptimizationConfig(graph_opt_level=1, max_num_seqs=4))
+    ids, positions, slots = step_buffers(2, [5, 9])
+    with torch.inference_mode():
+        for _ in range(4):
+            torch.testing.assert_close(opt(ids, positions, slots), reference(ids, positions, slots),
+                                       atol=1e-4, rtol=1e-4)
+            positions.add_(1)
+    report = opt.report()
+    assert report.replays >= 1
+    [(reason, count)] = [(r, n) for r, n in report.fallbacks.items() if "replay from Python" in r]
+    assert "no compiler" in reason and count == report.captures.__len__()

@@ -86,6 +86,11 @@ class DeviceGraph:
         return self._graph.executes_during_capture
 
     @property
+    def replay_fallback(self) -> str | None:
+        """Why this host graph replays from Python although C++ was asked for; None otherwise."""
+        return getattr(self._graph, "python_replay_reason", None)
+
+    @property
     def nbytes(self) -> int:
         """Bytes of pool memory this graph's intermediates and outputs take."""
         return self._graph.nbytes

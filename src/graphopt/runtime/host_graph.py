@@ -4,17 +4,10 @@ Between `capture_begin()` and `capture_end()` the function runs normally, and ev
 ATen op it issues in this thread is recorded (a `TorchDispatchMode` below a raising
 `CaptureGuard`, so what a CUDA capture would refuse is refused here too). `replay()`
 runs the tape again on the same tensor objects, each op writing where it wrote at
-capture, so outputs land in the same buffers every time, as with a CUDA graph:
-
-- an op with an `out=` overload is replayed through it, via torch's Python binding
-  when that provably dispatches to the same overload (~1 us, against ~3 us boxed);
-- in-place ops (`add_`, `index_put_`, `copy_`) run as they are; views need nothing;
-- a non-aliasing `to`, `_to_copy`, `clone`, `reshape`, `contiguous` or `flatten` is
-  a `copy_` into its output;
-- a collective (`_c10d_functional.all_reduce`, ...) is issued, waited for and
-  copied into its output, in one tape entry (`_Communicate`, see there);
-- any other op is computed, then copied into its output: the only replays that
-  allocate, counted in `copy_replays`.
+capture, so outputs land in the same buffers every time, as with a CUDA graph.
+How each op is replayed (through its `out=` overload, in place, as a copy) is
+`tape.py`'s; the tape runs from C++ (`native_tape.py`, one dispatcher call per op)
+or, where that extension cannot be built, from Python.
 
 Replays run under `torch.inference_mode()`: a host graph records no autograd history.
 
@@ -44,31 +37,22 @@ replay one graph, or two graphs of one pool, from two threads at once.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves
 
 from .. import _compat
-from ..bindings import exact_binding
-from ..kernels.collective import is_collective_op
 from ..passes.memory_plan import plan_offsets
+from . import native_tape
 from .safety import CaptureGuard
+from .tape import is_copy_replay, plan_entry
 
 _ALIGN = 64
-# Factory arguments an out= overload takes from its `out` tensor instead.
-_OPTIONS = frozenset({"dtype", "layout", "device", "pin_memory"})
-# Ops whose non-aliasing result is `self`'s values in another dtype, device, layout or shape.
-_COPIES = frozenset({"to", "_to_copy", "clone", "reshape", "contiguous", "flatten"})
-# Ops that change a tensor object's metadata; their effect persists, replaying them would repeat it.
-_METADATA = frozenset({"set_", "resize_", "resize_as_"})
-_OUT_NAMESPACES = (torch._C._VariableFunctions, torch._C._nn, torch._C._linalg, torch._C._special, torch._C._fft)
-_INPLACE_NAMESPACES = (torch._C.TensorBase, torch._C._VariableFunctions)
 
 
 class HostPool:
@@ -107,14 +91,19 @@ class HostGraph:
 
     executes_during_capture = True  # recording runs the step
 
-    def __init__(self, pool: HostPool | None = None):
+    def __init__(self, pool: HostPool | None = None, native: bool | None = None):
+        """`native`: replay from C++ (default `native_tape.ENABLED`: yes unless
+        `GRAPHOPT_NATIVE_TAPE=0`); False replays from Python."""
         if pool is not None and not isinstance(pool, HostPool):
             raise TypeError(f"HostGraph(pool=...) takes a HostPool, got {type(pool).__name__}")
         self.pool = pool if pool is not None else HostPool()
-        self._tape: tuple[tuple[Callable, tuple, dict], ...] | None = None
+        self.native = native_tape.ENABLED if native is None else native
+        self._tape: Any = None  # a native_tape Tape, or a tuple of (callable, args, kwargs)
         self._placed: list[torch.Tensor] = []  # every tensor object this graph moved into the arena
         self._nbytes = 0
         self._copy_replays = 0
+        self._python_entries = 0
+        self.python_replay_reason: str | None = None  # why a native replay was asked for and not given
         self._modes: tuple[_Recorder, CaptureGuard] | None = None
 
     @property
@@ -126,6 +115,17 @@ class HostGraph:
     def copy_replays(self) -> int:
         """Ops replayed as compute + copy_ (no out= form): the replays that allocate."""
         return self._copy_replays
+
+    @property
+    def python_entries(self) -> int:
+        """Tape entries replayed through Python: all of them without the native tape,
+        else only what C++ cannot call (collectives, arguments it cannot hold)."""
+        return self._python_entries
+
+    @property
+    def replays_natively(self) -> bool:
+        """Whether the tape runs from C++ (no Python per op, apart from `python_entries`)."""
+        return self._tape is not None and not isinstance(self._tape, tuple)
 
     def capture_begin(self) -> None:
         """Start recording this thread's ATen ops, under a raising `CaptureGuard`."""
@@ -152,12 +152,19 @@ class HostGraph:
                 self.pool._graphs.add(self)
                 self.pool._fit()
                 self._placed = _move(allocations, self.pool._storage)
-                entries = [_replay_entry(*record, new, self._placed) for record, new in zip(recorder.records, fresh)]
-                self._tape = tuple(entry for entry in entries if entry is not None)
+                self.python_replay_reason = native_tape.unavailable() if self.native else None
+                native = self.native and self.python_replay_reason is None
+                entries = [plan_entry(*record, new, self._placed, bindings=not native)
+                           for record, new in zip(recorder.records, fresh)]
+                entries = [entry for entry in entries if entry is not None]
+                if native:
+                    self._tape, self._python_entries = native_tape.build(entries)
+                else:
+                    self._tape, self._python_entries = tuple(entry.python for entry in entries), len(entries)
         except BaseException:
             self.reset()  # never leave a half-built graph holding a share of the pool
             raise
-        self._copy_replays = sum(isinstance(fn, _Recompute) for fn, _, _ in self._tape)
+        self._copy_replays = sum(map(is_copy_replay, entries))
 
     def replay(self) -> None:
         """Run the captured ops again, writing into the tensors they wrote at capture."""
@@ -165,6 +172,9 @@ class HostGraph:
             raise RuntimeError("HostGraph.replay(): " + (
                 "capture is still in progress; call capture_end() first" if self._modes is not None else
                 "nothing is captured (never captured, or reset() since); capture it again before replaying"))
+        if not isinstance(self._tape, tuple):
+            self._tape.replay()
+            return
         with torch.inference_mode():
             for fn, args, kwargs in self._tape:
                 fn(*args, **kwargs)
@@ -175,7 +185,7 @@ class HostGraph:
         capture in progress, e.g. after the captured code raised."""
         if self._modes is not None:
             self._stop("reset")
-        self._tape, self._placed, self._nbytes, self._copy_replays = None, [], 0, 0
+        self._tape, self._placed, self._nbytes, self._copy_replays, self._python_entries = None, [], 0, 0, 0
         if self in self.pool._graphs:
             self.pool._graphs.discard(self)
             self.pool._fit()
@@ -197,8 +207,11 @@ class HostGraph:
         return recorder
 
     def __repr__(self) -> str:
-        ops = "not captured" if self._tape is None else f"{len(self._tape)} ops"
-        return f"HostGraph({ops}, nbytes={self.nbytes}, copy_replays={self.copy_replays})"
+        if self._tape is None:
+            return f"HostGraph(not captured, nbytes={self.nbytes})"
+        where = "native" if self.replays_natively else "Python"
+        return (f"HostGraph({len(self._tape)} ops, {where} replay, {self.python_entries} through Python, "
+                f"nbytes={self.nbytes}, copy_replays={self.copy_replays})")
 
 
 class _Recorder(TorchDispatchMode):
@@ -322,99 +335,3 @@ def _move(allocations: list[_Allocation], arena: torch.UntypedStorage) -> list[t
 
 def _bytes(storage: torch.UntypedStorage, offset: int, nbytes: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage, offset, (nbytes,), (1,))
-
-
-# -- the tape: how each recorded op is replayed ---------------------------------------------
-
-def _replay_entry(op: Any, args: tuple, kwargs: dict, result: Any, fresh: list[bool],
-                  placed: list[torch.Tensor]) -> tuple[Callable, tuple, dict] | None:
-    """How to replay one recorded op so it writes where it wrote at capture; None
-    when nothing needs replaying (views, metadata changes, non-tensor results)."""
-    if torch.Tag.inplace_view in op.tags or op.overloadpacket.__name__ in _METADATA:
-        return None
-    if is_collective_op(op):
-        return _Communicate(op, args, kwargs, [t if new else None for t, new in zip(_tensors(result), fresh)]), (), {}
-    if op._schema.is_mutable:
-        return _binding(op, args, kwargs, kwargs, _INPLACE_NAMESPACES) or op, args, kwargs
-    if not any(fresh):
-        return None
-    outputs = _tensors(result)
-    if op.overloadpacket.__name__ in _COPIES and len(outputs) == 1:
-        target = outputs[0] if outputs[0].shape == args[0].shape else outputs[0].view(args[0].shape)
-        if target is not outputs[0]:
-            placed.append(target)  # a new view on the arena: the pool must move it with the rest
-        return target.copy_, (args[0],), {}
-    found = _out_overload(op)
-    if found is not None and all(fresh):
-        out_op, out_names, dropped = found
-        kept = {k: v for k, v in kwargs.items() if k not in dropped}
-        values = list(result) if isinstance(result, tuple) else [result]
-        op_kwargs = {**kept, **dict(zip(out_names, values))}
-        call_kwargs = {**kept, "out": values[0] if len(values) == 1 else tuple(values)}
-        binding = _binding(out_op, args, call_kwargs, op_kwargs, _OUT_NAMESPACES)
-        return (binding, args, call_kwargs) if binding is not None else (out_op, args, op_kwargs)
-    return _Recompute(op, args, kwargs, [t if new else None for t, new in zip(outputs, fresh)]), (), {}
-
-
-class _Recompute:
-    """Replay of an op without an out= form: compute, then copy into the outputs captured."""
-
-    def __init__(self, op: Any, args: tuple, kwargs: dict, targets: list[torch.Tensor | None]):
-        self.op, self.args, self.kwargs, self.targets = op, args, kwargs, targets
-
-    def __call__(self) -> None:
-        for target, value in zip(self.targets, _tensors(self.op(*self.args, **self.kwargs))):
-            if target is not None:
-                target.copy_(value)
-
-
-class _Communicate(_Recompute):
-    """Replay of a collective: issue it, wait for it, copy the result into the outputs captured.
-    A functional collective fills its result later, at `wait_tensor`, whose result is not new
-    memory and so has no entry: replayed as `_Recompute`, the copy read the result before it
-    arrived. Waiting here gives up overlap of communication and compute, and never reuses a
-    buffer still being communicated."""
-
-    def __call__(self) -> None:
-        for target, value in zip(self.targets, _tensors(self.op(*self.args, **self.kwargs))):
-            torch.ops._c10d_functional.wait_tensor(value)
-            if target is not None:
-                target.copy_(value)
-
-
-@functools.cache
-def _out_overload(op: Any) -> tuple[Any, tuple[str, ...], frozenset[str]] | None:
-    """The out= overload computing `op`: same arguments (less factory options such as
-    dtype, which the out tensor carries), one `out` argument per return.
-    Returns (overload, out argument names, dropped argument names)."""
-    arguments = op._schema.arguments
-    for name in op.overloadpacket.overloads():
-        candidate = getattr(op.overloadpacket, name)
-        outs = [a.name for a in candidate._schema.arguments if a.is_out]
-        rest = [a for a in candidate._schema.arguments if not a.is_out]
-        if not outs or len(outs) != len(op._schema.returns):
-            continue
-        kept = {a.name for a in rest}
-        dropped = [a for a in arguments if a.name not in kept]
-        if any(a.name not in _OPTIONS or not a.kwarg_only for a in dropped):
-            continue
-        signature = [(a.name, str(a.type), a.kwarg_only) for a in arguments if a.name in kept]
-        if signature == [(a.name, str(a.type), a.kwarg_only) for a in rest]:
-            return candidate, tuple(outs), frozenset(a.name for a in dropped)
-    return None
-
-
-def _binding(op: Any, args: tuple, call_kwargs: dict, op_kwargs: dict, namespaces: tuple) -> Callable | None:
-    """torch's Python binding of `op` (e.g. `torch.mm` for `aten.mm.out`) when it
-    dispatches exactly `op` with these arguments, checked on meta tensors."""
-    metas: dict[int, torch.Tensor] = {}
-
-    def meta(x: Any) -> Any:
-        if not isinstance(x, torch.Tensor):
-            return x
-        if id(x) not in metas:
-            metas[id(x)] = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-        return metas[id(x)]
-
-    args, call_kwargs, op_kwargs = tree_map(meta, (args, call_kwargs, op_kwargs))
-    return exact_binding(op, args, call_kwargs, op_kwargs, namespaces)

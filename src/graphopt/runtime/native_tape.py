@@ -1,0 +1,74 @@
+"""The host graph's replay without Python per op: its tape run by a small C++ loop.
+
+A Python replay pays the interpreter for every op (~3 µs on a 2-core CPU, more than
+many decode-step ops cost); `native_tape.cpp` makes one boxed dispatcher call per op
+(~0.6 µs). It is compiled on first use with torch's C++ extension loader (a C++
+compiler and `ninja`, both already needed by Inductor's CPU code) into torch's
+extensions directory (`$TORCH_EXTENSIONS_DIR`, else `~/.cache/torch_extensions`),
+once per torch and source version: the first host graph on a machine waits about
+a minute, later processes load it in milliseconds.
+
+Where it cannot be built, host graphs replay from Python: the reason is logged once
+and each capture counts it as a fallback. `GRAPHOPT_NATIVE_TAPE=0` asks for the
+Python replay without trying.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+log = logging.getLogger("graphopt")
+
+SOURCE = Path(__file__).with_name("native_tape.cpp")
+# What benchmarks and tests flip to time or check the Python replay in the same process.
+ENABLED = os.environ.get("GRAPHOPT_NATIVE_TAPE", "1") != "0"
+
+
+@functools.cache
+def _module() -> tuple[Any, str | None]:
+    """The compiled extension, or None and why not (logged once)."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    try:
+        from torch.utils import cpp_extension
+
+        return cpp_extension.load(f"graphopt_tape_{digest}", [str(SOURCE)], extra_cflags=["-O2"]), None
+    except Exception as error:  # noqa: BLE001 - no compiler, no ninja, a header torch moved: all mean "replay from Python"
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        log.warning("graphopt: host graphs replay from Python, the native tape could not be built: %s", reason)
+        return None, f"the native tape could not be built ({reason})"
+
+
+def unavailable() -> str | None:
+    """Why host graphs replay from Python (None: they replay natively). Builds the
+    extension on the first call."""
+    if not ENABLED:
+        return "GRAPHOPT_NATIVE_TAPE=0"
+    return _module()[1]
+
+
+def build(entries: Sequence[Any]) -> tuple[Any, int]:
+    """The C++ tape for `entries` (tape.Entry, in order) and how many of them
+    replay through Python. Call only when `unavailable()` is None."""
+    tape, through_python = _module()[0].Tape(), 0
+    for entry in entries:
+        if entry.op is not None:
+            name, overload = entry.op._schema.name, entry.op._schema.overload_name
+            try:
+                if entry.targets is None:
+                    tape.call(name, overload, tuple(entry.args), dict(entry.kwargs))
+                else:
+                    tape.recompute(name, overload, tuple(entry.args), dict(entry.kwargs), list(entry.targets))
+                continue
+            except (RuntimeError, TypeError, ValueError):
+                pass  # an argument C++ cannot hold as recorded: this entry replays from Python
+        fn, args, kwargs = entry.python
+        tape.python(functools.partial(fn, *args, **kwargs))
+        through_python += 1
+    return tape, through_python
