@@ -64,6 +64,41 @@ def test_level_1_hit_skips_aot_autograd_and_the_passes(decoder, tmp_path, monkey
     assert torch.equal(tokens, generate(decoder, PROMPTS, 6)) and report.cache_hits == 1
 
 
+class CacheState:
+    def __init__(self):
+        self.length = torch.tensor(3)
+
+
+def write_cache(x: torch.Tensor, cache: torch.Tensor, slot: torch.Tensor, state: CacheState) -> torch.Tensor:
+    """The shape of a transformers StaticCache step: a no-op `.to` on a cache tensor,
+    stored back on the cache object, makes the graph return one of its inputs."""
+    state.length = state.length.to(x.device)
+    cache.index_copy_(0, slot, x * 2)
+    return x.sum(-1)
+
+
+def test_level_1_hit_on_a_step_that_returns_an_input_skips_aot_autograd(tmp_path, monkeypatch):
+    def start():
+        torch._dynamo.reset()
+        step = graphopt.optimize(write_cache, graphopt.GraphOptimizationConfig(
+            graph_opt_level=1, use_cudagraph=False, cache_dir=str(tmp_path)))
+        x, kv, slot, state = torch.randn(2, 4), torch.zeros(5, 4), torch.tensor([1, 3]), CacheState()
+        length = state.length
+        total = step(x, kv, slot, state)
+        assert state.length is length, "the input the graph returns must be the caller's tensor, as in eager"
+        torch.testing.assert_close(kv[slot], x * 2)
+        torch.testing.assert_close(total, x.sum(-1))
+        return step.report()
+
+    assert start().cache_misses == 1
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a level-1 hit traced AOTAutograd again")
+
+    monkeypatch.setattr(graphopt.backend._compat, "aot_inference", refuse)
+    assert start().cache_hits == 1
+
+
 def test_hit_with_host_graphs(decoder, tmp_path):
     expected = generate(decoder, PROMPTS, 6)
     run(decoder, tmp_path, use_cudagraph=True, cudagraph_capture_sizes=[1, 4])

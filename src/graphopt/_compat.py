@@ -424,10 +424,12 @@ def real_tensors() -> Iterator[None]:
 
 def aot_wrapper_output_dims(graph_inputs: int, dynamo_inputs: int, inference: bool) -> list | None:
     """Called inside an AOTAutograd compiler: None when AOTAutograd's runtime wrapper
-    does more than call the compiled graph (training, input mutations applied
-    outside the graph, outputs that alias inputs or intermediates, subclasses, RNG,
-    effect tokens, autocast, a grad-mode change, inputs it adds); else, for each
-    output, the dims the wrapper marks dynamic for later frames."""
+    does more than call the compiled graph and hand back inputs it returns (training,
+    input mutations applied outside the graph, outputs that alias views of inputs or
+    intermediates, subclasses, RNG, effect tokens, autocast, a grad-mode change,
+    inputs it adds); else, for each output, the dims the wrapper marks dynamic for
+    later frames, or {"input": i} for an output that is input i itself (a KV cache
+    a transformers model returns), which the wrapper returns as the input object."""
     from torch._guards import TracingContext
 
     context = TracingContext.try_get()
@@ -435,13 +437,15 @@ def aot_wrapper_output_dims(graph_inputs: int, dynamo_inputs: int, inference: bo
     if meta is None or graph_inputs != dynamo_inputs or not inference:
         return None
     plain = (int, type(None), *_aot_plain_meta_types())
-    if (meta.traced_tangents or meta.num_mutated_inp_runtime_indices or meta.num_outputs_aliased
-            or meta.num_intermediate_bases or meta.tokens or meta.is_rng_op_functionalized
+    if (meta.traced_tangents or meta.num_mutated_inp_runtime_indices or meta.num_intermediate_bases
+            or meta.tokens or meta.is_rng_op_functionalized
             or meta.grad_enabled_mutation is not None or torch.is_autocast_enabled("cpu")
             or torch.is_autocast_enabled("cuda")
+            or any(o.output_type.name not in ("non_alias", "is_input") for o in meta.output_info)
             or not all(isinstance(m, plain) for m in [*meta.subclass_inp_meta, *meta.subclass_fw_graph_out_meta])):
         return None
-    return [sorted(o.dynamic_dims) if o.dynamic_dims else None for o in meta.output_info]
+    return [{"input": o.base_idx} if o.output_type.name == "is_input" else
+            sorted(o.dynamic_dims) if o.dynamic_dims else None for o in meta.output_info]
 
 
 def _aot_plain_meta_types() -> list[type]:
@@ -452,13 +456,19 @@ def _aot_plain_meta_types() -> list[type]:
 
 def call_like_aot(graph: Callable, output_dims: list) -> Callable:
     """What AOTAutograd's runtime wrapper does for a graph `aot_wrapper_output_dims`
-    accepted: call it, and mark the dynamic dims of its outputs for later frames."""
+    accepted: call it, return the inputs it returns as themselves, and mark the
+    dynamic dims of its other outputs for later frames."""
     from torch._functorch._aot_autograd.runtime_wrappers import mark_dynamo_propagated_dynamic_indices as mark
 
-    marked = [(i, set(dims)) for i, dims in enumerate(output_dims) if dims]
+    marked = [(i, set(dims)) for i, dims in enumerate(output_dims) if isinstance(dims, list) and dims]
+    inputs = [(i, dims["input"]) for i, dims in enumerate(output_dims) if isinstance(dims, dict)]
 
     def run(*args: Any) -> Any:
         outputs = graph(*args)
+        if inputs:
+            outputs = list(outputs)
+        for i, base in inputs:
+            outputs[i] = args[base]
         for i, dims in marked:
             mark(outputs[i], dims)
         return outputs
