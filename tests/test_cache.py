@@ -1,6 +1,8 @@
 """The persistent compile cache: a second "process" (a fresh Backend after
 `torch._dynamo.reset()`) loads what the first stored, gives the same outputs and
-the same report, and broken, foreign or concurrent entries never give a wrong one."""
+the same report, and broken, foreign or concurrent entries never give a wrong one.
+These start with `cache_traces=False`: the graphs come from the cache, Dynamo still
+traces (stored traces: tests/test_traces.py)."""
 
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ PROMPTS = torch.randint(500, (3, 6), generator=torch.Generator().manual_seed(0))
 def run(decoder, cache_dir, **config) -> tuple[torch.Tensor, graphopt.Report]:
     """Generate with a fresh optimized step, as a new process would."""
     torch._dynamo.reset()
-    cfg = graphopt.GraphOptimizationConfig(**{"cache_dir": str(cache_dir), "use_cudagraph": False, **config})
+    cfg = graphopt.GraphOptimizationConfig(**{"cache_dir": str(cache_dir), "use_cudagraph": False,
+                                              "cache_traces": False, **config})
     step = graphopt.optimize(decoder, cfg, pad_values={"slots": decoder.scratch_slot})
     return generate(decoder, PROMPTS, 6, step=step), step.report()
 
@@ -81,7 +84,7 @@ def test_level_1_hit_on_a_step_that_returns_an_input_skips_aot_autograd(tmp_path
     def start():
         torch._dynamo.reset()
         step = graphopt.optimize(write_cache, graphopt.GraphOptimizationConfig(
-            graph_opt_level=1, use_cudagraph=False, cache_dir=str(tmp_path)))
+            graph_opt_level=1, use_cudagraph=False, cache_dir=str(tmp_path), cache_traces=False))
         x, kv, slot, state = torch.randn(2, 4), torch.zeros(5, 4), torch.tensor([1, 3]), CacheState()
         length = state.length
         total = step(x, kv, slot, state)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import json
 import sys
 import typing
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from . import _compat
 from .backend import Backend
 from .config import GraphOptimizationConfig
 from .report import Report
+from .traces import MISS, StoredTraces
 
 
 @dataclass(frozen=True)
@@ -54,17 +56,33 @@ class _Step:
         self.backend = Backend(config, dynamic_dims=self.dynamic_dims, pad_values=self.pad_values)
         self.compiles = config.graph_opt_level > 0 or config.use_cudagraph
         self.fn = torch.compile(fn, backend=self.backend) if self.compiles else fn
+        self.traces = None
+        if config.graph_opt_level > 0 and config.cache_dir and config.cache_traces:
+            identity = json.dumps([config.to_json(), self.dynamic_dims, self.pad_values], sort_keys=True)
+            self.traces = StoredTraces(fn, self.backend, identity)
         self.last_call: tuple[tuple, dict] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.compiles and not self.backend.compiled_dynamic:
-            leaves = tree_leaves((args, kwargs))
-            for leaf, dim in zip(leaves, self.leaf_dims(args, kwargs)):
-                if dim is not None:
-                    _compat.mark_dynamic(leaf, dim)
         if self.config.use_cudagraph:
             self.last_call = (args, kwargs)
-        return self.fn(*args, **kwargs)
+        if self.traces is not None:
+            result = self.traces.run(args, kwargs)
+            if result is not MISS:
+                return result
+        if self.compiles and not self.backend.compiled_dynamic:
+            self._mark_dynamic(args, kwargs)
+        graphs = len(self.backend.report().graphs)
+        result = self.fn(*args, **kwargs)
+        if self.traces is not None and len(self.backend.report().graphs) > graphs:
+            # Marked again: Dynamo's trace of a later graph sees the dims the first one did.
+            self._mark_dynamic(args, kwargs)
+            self.traces.store(args, kwargs)
+        return result
+
+    def _mark_dynamic(self, args: tuple, kwargs: dict) -> None:
+        for leaf, dim in zip(tree_leaves((args, kwargs)), self.leaf_dims(args, kwargs)):
+            if dim is not None:
+                _compat.mark_dynamic(leaf, dim)
 
     def leaf_dims(self, args: tuple, kwargs: dict) -> list[int | None]:
         """The dynamic dim of every leaf of tree_flatten((args, kwargs)): dim 0 of

@@ -13,16 +13,19 @@ wrapping the compiled graph, so Dynamo's guards run before every replay.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx
 
 from . import _compat, cache
+from ._compat import traces as compat_traces
 from .config import GraphOptimizationConfig
 from .lowering import lower_to_bindings
 from .passes.fusion import fused_op_counts
@@ -34,6 +37,21 @@ from .report import GraphRecord, Report
 # Graphs each Backend may add to Dynamo's per-function recompile limit: batch size 1
 # (specialised), the dynamic graph, and recompiles after guarded changes.
 RECOMPILE_BUDGET = 8
+
+
+@dataclass
+class GraphSpec:
+    """How a later process builds again what `Backend.__call__` returned for one
+    Dynamo graph (traces.py stores it with the graph's Dynamo trace)."""
+
+    key: str                         # the graph's compile cache key: its records, its level-1 code
+    level: int
+    signature: Any = None            # with device graphs: the GraphRunner's Signature
+    inductor: bytes | None = None    # level 2: Inductor's compiled graph, serialized
+
+
+class NotStorable(Exception):
+    """Why a graph's trace cannot be stored for a later process."""
 
 
 def inductor_options(device_type: str, cached: bool) -> dict[str, Any]:
@@ -78,6 +96,9 @@ class Backend:
         self.compiled_dynamic = False
         self._levels: dict[str, int] = {}
         self._cache = cache.CompileCache(self.config.cache_dir, self._report) if self.config.cache_dir else None
+        # Per compile cache key: what a stored trace needs to build the graph again, and
+        # the compiled graph itself; or why the graph cannot be built again.
+        self._built: dict[str, tuple[GraphSpec, Callable] | str] = {}
         _compat.allow_recompiles(RECOMPILE_BUDGET)
         _compat.on_recompile_limit(self._gave_up)
 
@@ -91,10 +112,13 @@ class Backend:
         device = _device_type(example_inputs)
         level = self._level(device)
         mode = self._cudagraph_mode(level, device)
+        # The key of the whole graph, for stored traces; a bypassed cache is logged per compile, below.
+        key = self._cache_key(gm, list(example_inputs)) if level > 0 and self._cache_bypass() is None else None
         if mode == "none":
-            return self._compile(gm, example_inputs, level)
+            compiled = self._compile(gm, example_inputs, level, key)
+            self._remember(key, level, compiled)
+            return compiled
         from .runtime import piecewise
-        from .runtime.capture import CapturedGraph, Pool
         from .runtime.fake_run import fake_run
         from .runtime.runner import GraphRunner
         from .runtime.signature import signature_of
@@ -106,23 +130,30 @@ class Backend:
             self._report.fallback(f"use_cudagraph: graph {graph_index} could not be run on fake tensors to "
                                   f"find its splitting ops and written inputs ({type(error).__name__}: "
                                   f"{error}); it runs without device graphs")
-            return self._compile(gm, example_inputs, level)
+            compiled = self._compile(gm, example_inputs, level, key)
+            self._remember(key, level, compiled)
+            return compiled
         signature = signature_of(gm, self.dynamic_dims, self.pad_values, findings.written)
         unsafe = findings.splitting_nodes
-        pool = Pool(self.config)
         if unsafe and mode == "full":
             reasons = "; ".join(sorted(set(unsafe.values())))
             self._report.fallback(f"use_cudagraph: cudagraph_mode='full' and graph {graph_index} has ops a "
                                   f"device graph cannot replay, so it runs without one: {reasons}")
-            return self._compile(gm, example_inputs, level)
+            compiled = self._compile(gm, example_inputs, level, key)
+            self._remember(key, level, compiled)
+            return compiled
         if not unsafe:
-            record = self._report.piece(graph_index, None)
-            captured = [CapturedGraph(self._compile(gm, example_inputs, level), record, self.config,
-                                      self._report, pool, signature.static)]
-            return GraphRunner(captured[0], signature, captured, self.config, self._report)
+            compiled = self._compile(gm, example_inputs, level, key)
+            self._remember(key, level, compiled, signature)
+            return self._runner(compiled, signature)
+        if key is not None:
+            self._built[key] = "it is split into pieces around ops a device graph cannot replay"
+        from .runtime.capture import CapturedGraph, Pool
+
         split_gm, unsafe_pieces = piecewise.split(gm, unsafe)
         real = dict(zip([n.name for n in gm.graph.nodes if n.op == "placeholder"], example_inputs))
         captured = []
+        pool = Pool(self.config)
 
         def compile_piece(name: str, piece: torch.fx.GraphModule, fakes: list) -> Callable | None:
             inputs = [n.name for n in piece.graph.nodes if n.op == "placeholder"]
@@ -144,27 +175,38 @@ class Backend:
         piecewise.compile_pieces(split_gm, example_inputs, compile_piece)
         return GraphRunner(split_gm, signature, captured, self.config, self._report)
 
-    def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], level: int) -> Callable:
-        """Compile one Dynamo graph (or piece of one) at `level`, through the compile cache."""
+    def _runner(self, compiled: Callable, signature: Any) -> Callable:
+        """The runtime of an unsplit graph: one CapturedGraph, its device graphs in one pool."""
+        from .runtime.capture import CapturedGraph, Pool
+        from .runtime.runner import GraphRunner
+
+        record = self._report.piece(len(self._report.pieces), None)
+        captured = CapturedGraph(compiled, record, self.config, self._report, Pool(self.config), signature.static)
+        return GraphRunner(captured, signature, [captured], self.config, self._report)
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], level: int,
+                 key: str | None = None) -> Callable:
+        """Compile one Dynamo graph (or piece of one) at `level`, through the compile
+        cache (`key`: its key, when the caller has it already)."""
         if level == 0:
             return gm.forward
         record = GraphRecord(index=len(self._report.graphs))
         self._report.graphs.append(record)
         real_inputs = _aot_args(gm, [_compat.concrete(x) for x in example_inputs])
         kinds = ["parameter"] * (len(real_inputs) - len(example_inputs)) + _compat.input_kinds(gm)
+        key = key or self._cache_key(gm, list(example_inputs))
         start = time.perf_counter()
         if level == 1:
-            compiled = self._compile_level1(gm, example_inputs, record, real_inputs, kinds)
+            compiled = self._compile_level1(gm, example_inputs, record, real_inputs, kinds, key)
         else:
-            compiled = self._compile_inductor(gm, example_inputs, record, real_inputs, kinds)
+            compiled = self._compile_inductor(gm, example_inputs, record, real_inputs, kinds, key)
         record.compile_seconds = time.perf_counter() - start
         return compiled
 
     def _compile_level1(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], record: GraphRecord,
-                        real_inputs: list, kinds: list[str]) -> Callable:
+                        real_inputs: list, kinds: list[str], key: str | None) -> Callable:
         """Level 1: AOTAutograd, the passes, lowering. A cache hit skips the passes and,
         where AOTAutograd's runtime wrapper would only call the graph, AOTAutograd too."""
-        key = self._cache_key(gm, list(example_inputs))
         stored = self._cache_load(key)
         if stored is not None and stored["direct"] is not None:
             self._restore(stored, record)
@@ -186,10 +228,9 @@ class Backend:
         return _compat.aot_inference(gm, example_inputs, fw_compiler)
 
     def _compile_inductor(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], record: GraphRecord,
-                          real_inputs: list, kinds: list[str]) -> Callable:
+                          real_inputs: list, kinds: list[str], key: str | None) -> Callable:
         """Level 2. Inductor's own caches hold the compiled code; graphopt's holds the
         records of the passes, which a hit in Inductor's cache skips."""
-        key = self._cache_key(gm, list(example_inputs))
         stored = self._cache_load(key)
         optimized: list[tuple[torch.fx.GraphModule, dict]] = []
 
@@ -198,16 +239,68 @@ class Backend:
 
         options = {**inductor_options(_device_type(real_inputs), cached=key is not None),
                    **self.config.inductor_compile_config}
-        compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, self._pass_uuid(), options)
-        if key is not None and not optimized and stored is None:
-            # Inductor's cache had the code but graphopt's records are gone: compile once more for them.
-            options["force_disable_caches"] = True
+        # With the cache on, AOTAutograd's entry holds the compiled code itself, so a
+        # stored trace can carry it (traces.py).
+        with compat_traces.bundled_inductor_cache() if key is not None else contextlib.nullcontext():
             compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, self._pass_uuid(), options)
+            if key is not None and not optimized and stored is None:
+                # Inductor's cache had the code but graphopt's records are gone: compile once more for them.
+                options["force_disable_caches"] = True
+                compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, self._pass_uuid(), options)
         if optimized:
             self._cache_store(key, {**optimized[-1][1], "direct": None}, optimized[-1][0])
         elif stored is not None:
             self._restore(stored, record)
         return compiled
+
+    def _remember(self, key: str | None, level: int, compiled: Callable, signature: Any = None) -> None:
+        """Keep what `stored()` needs to describe `compiled` to a later process."""
+        if key is not None:
+            self._built[key] = (GraphSpec(key, level, signature), compiled)
+
+    def stored(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> compat_traces.Stored:
+        """The backend of a storing trace (traces.py): the graph this Backend already
+        compiled for `gm`, as a `Stored` whose spec builds it again in a later
+        process. Raises NotStorable, saying why, where there is none to store."""
+        bypass = self._cache_bypass()
+        if bypass is not None:
+            raise NotStorable(bypass)
+        key = self._cache_key(gm, list(example_inputs))
+        built = self._built.get(key)
+        if built is None:
+            raise NotStorable("its trace differs from the one compiled in this process")
+        if isinstance(built, str):
+            raise NotStorable(built)
+        spec, compiled = built
+        entry = self._cache.load(key)
+        if entry is None:
+            raise NotStorable("its graph is not in the compile cache")
+        if spec.level == 1 and entry["direct"] is None:
+            raise NotStorable("AOTAutograd's runtime wrapper does more than call its graph")
+        if spec.level == 2 and spec.inductor is None:
+            spec.inductor = compat_traces.bundled_inductor(compiled)
+            if spec.inductor is None:
+                raise NotStorable("AOTAutograd's cache kept no serializable entry of its Inductor code")
+        return compat_traces.Stored(spec, compiled)
+
+    def rebuild(self, spec: GraphSpec) -> Callable:
+        """In a later process: the callable `__call__` returned for the graph of
+        `spec`, from the compile cache, reported as a cache hit. Raises NotStorable
+        when the cache no longer has the graph."""
+        stored = self._cache_load(spec.key)
+        if stored is None or (spec.level == 1 and stored["lowered"] is None):
+            raise NotStorable(f"its graph ({spec.key[:12]}) is no longer in the compile cache")
+        record = GraphRecord(index=len(self._report.graphs))
+        self._report.graphs.append(record)
+        start = time.perf_counter()
+        if spec.level == 1:
+            compiled = _compat.call_like_aot(cache.load_graph(stored["lowered"]), stored["direct"])
+        else:
+            compiled = compat_traces.load_inductor(spec.inductor)
+        self._restore(stored, record)
+        record.compile_seconds = time.perf_counter() - start
+        record.traced = False
+        return self._runner(compiled, spec.signature) if spec.signature else compiled
 
     def _optimize(self, gm: torch.fx.GraphModule, record: GraphRecord, inputs: list, kinds: list[str]) -> dict:
         """Run the level's passes on the ATen graph `gm`, whose placeholders take
@@ -248,15 +341,23 @@ class Backend:
                 "passes": report.passes[first_pass:], "memory": report.memory[first_plan:],
                 "fallbacks": dict(Counter(report.fallbacks) - fallbacks_before)}
 
+    def _cache_bypass(self) -> str | None:
+        """Why this Backend's graphs do not go through the compile cache, or None."""
+        config = self.config
+        if self._cache is None:
+            return "the compile cache is off (cache_dir=None)"
+        if config.freeze_parameters:
+            return "freeze_parameters folds weight values into the graph"
+        if config.verify or config.debug_dump_dir:
+            return "verify and debug_dump_dir ask for every pass to run"
+        return None
+
     def _cache_key(self, gm: torch.fx.GraphModule, inputs: list) -> str | None:
         """The compile cache's key for `gm`, or None where the cache is not used."""
-        if self._cache is None:
-            return None
-        config = self.config
-        if config.freeze_parameters or config.verify or config.debug_dump_dir:
-            reason = ("freeze_parameters folds weight values into the graph" if config.freeze_parameters else
-                      "verify and debug_dump_dir ask for every pass to run")
-            self._report.fallback(f"cache_dir: {reason}, so graphs are compiled without the compile cache")
+        bypass = self._cache_bypass()
+        if bypass is not None:
+            if self._cache is not None:
+                self._report.fallback(f"cache_dir: {bypass}, so graphs are compiled without the compile cache")
             return None
         device = _device_type(inputs)
         # Dynamo guards on these, and AOTAutograd traces differently under them.

@@ -105,6 +105,9 @@ class GraphOptimizationConfig:
     verify: bool = False
     # The persistent compile cache (cache.py); None switches it off.
     cache_dir: str | None = field(default_factory=default_cache_dir)
+    # With the cache on: also store Dynamo's trace of each step (traces.py), so a later
+    # process does not trace it again.
+    cache_traces: bool = True
     # Inductor config keys for level 2, on top of graphopt's own (vLLM's inductor_compile_config).
     inductor_compile_config: dict[str, Any] = field(default_factory=dict)
 
@@ -121,7 +124,7 @@ class GraphOptimizationConfig:
         _check_choice("cudagraph_mode", self.cudagraph_mode, CUDAGRAPH_MODES, optional=True)
         self.cudagraph_splitting_ops = _aten_op_names(self.cudagraph_splitting_ops)
         _check_choice("capture_error_mode", self.capture_error_mode, CAPTURE_ERROR_MODES)
-        for key in ("reuse_pool_in_same_graph", "clone_input", "clone_output", "freeze_parameters"):
+        for key in ("reuse_pool_in_same_graph", "clone_input", "clone_output", "freeze_parameters", "cache_traces"):
             _check_bool(key, getattr(self, key))
         self.disabled_passes = _pass_names(self.disabled_passes)
         _check_dump_dir(self.debug_dump_dir)

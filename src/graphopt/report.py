@@ -38,11 +38,12 @@ class GraphRecord:
     compile_seconds: float = 0.0
     fused_ops: dict[str, int] = field(default_factory=dict)  # fused op -> how many the final graph has
     cache_hit: bool = False   # loaded from the compile cache: the records are those of the stored compile
+    traced: bool = True       # Dynamo traced it in this process (False: a stored trace, traces.py, ran it)
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "nodes_before": self.nodes_before,
                 "nodes_after": self.nodes_after, "compile_seconds": round(self.compile_seconds, 3),
-                "fused_ops": dict(self.fused_ops), "cache_hit": self.cache_hit}
+                "fused_ops": dict(self.fused_ops), "cache_hit": self.cache_hit, "traced": self.traced}
 
 
 @dataclass
@@ -114,6 +115,8 @@ class Report:
     cache_hits: int = 0       # graphs loaded from the compile cache (cache.py)
     cache_misses: int = 0     # graphs the cache did not have (or had broken): compiled and stored
     cache_rebuilt: int = 0    # of those misses, broken entries that were removed and rebuilt
+    traces_stored: int = 0    # Dynamo traces of the step stored for later processes (traces.py)
+    traces_used: int = 0      # stored traces this process ran instead of tracing the step
     memory: list[MemoryRecord] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -154,7 +157,8 @@ class Report:
             "recaptures": self.recaptures,
             "replays": self.replays,
             "recompiles": self.recompiles,
-            "cache": {"hits": self.cache_hits, "misses": self.cache_misses, "rebuilt": self.cache_rebuilt},
+            "cache": {"hits": self.cache_hits, "misses": self.cache_misses, "rebuilt": self.cache_rebuilt,
+                      "traces_stored": self.traces_stored, "traces_used": self.traces_used},
             "memory": [m.to_dict() for m in self.memory],
         }
 
@@ -162,7 +166,10 @@ class Report:
         lines = [f"graphopt report: graph_opt_level={self.level}, {len(self.graphs)} graph(s), "
                  f"compile {self.compile_seconds:.2f}s"]
         for g in self.graphs:
-            how = "loaded from the compile cache in" if g.cache_hit else "compiled in"
+            how = "compiled in"
+            if g.cache_hit:
+                how = "loaded from the compile cache in" if g.traced else \
+                    "loaded from the compile cache with its stored Dynamo trace in"
             lines.append(f"  graph {g.index}: {g.nodes_before} -> {g.nodes_after} nodes, "
                          f"{how} {g.compile_seconds:.2f}s")
             if g.fused_ops:
@@ -177,7 +184,8 @@ class Report:
                          for m in self.memory if m.graph == g.index)
         if self.cache_hits or self.cache_misses:
             lines.append(f"  compile cache: {self.cache_hits} hits, {self.cache_misses} misses"
-                         + (f" ({self.cache_rebuilt} broken entries rebuilt)" if self.cache_rebuilt else ""))
+                         + (f" ({self.cache_rebuilt} broken entries rebuilt)" if self.cache_rebuilt else "")
+                         + f", {self.traces_used} stored traces used, {self.traces_stored} stored")
         if self.captures or self.pieces:
             sizes = ", ".join(str(c.size) for c in self.captures)
             lines.append(f"  device graphs: {len(self.captures)} captured (sizes {sizes or '-'}), pool "
