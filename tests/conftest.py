@@ -1,7 +1,9 @@
 """Shared fixtures: GPU-only tests skip without CUDA; Dynamo's caches are reset
 between tests so one test's graphs and recompile counts never leak into another,
 and graphopt's compile cache is off unless a test turns it on (tests/test_cache.py),
-so no test reads what an earlier run stored."""
+so no test reads what an earlier run stored. GRAPHOPT_TEST_CACHE_DIR=<new dir>
+runs the suite with the cache and its stored traces on instead (.ci/run does,
+for the end-to-end files)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch._dynamo
 
 from graphopt.models import Decoder, DecoderConfig
 
-os.environ["GRAPHOPT_CACHE_DIR"] = ""
+os.environ["GRAPHOPT_CACHE_DIR"] = os.environ.get("GRAPHOPT_TEST_CACHE_DIR", "")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -9,6 +9,12 @@ from graphopt import _compat
 from graphopt.models import DecoderConfig
 
 
+def unexpected_fallbacks(report) -> dict[str, int]:
+    """A report's fallbacks but the compile cache's own (a trace it could not store):
+    with GRAPHOPT_TEST_CACHE_DIR set those are expected, and they never change a result."""
+    return {reason: n for reason, n in report.fallbacks.items() if not reason.startswith("cache_dir:")}
+
+
 def decode_inputs(batch: int, position: int = 5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A decode step's (input_ids, positions, slots) for `batch` sequences."""
     generator = torch.Generator().manual_seed(batch)

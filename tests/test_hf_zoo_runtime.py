@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import graphopt
-from support import assert_close_tree
+from support import assert_close_tree, unexpected_fallbacks
 
 transformers = pytest.importorskip("transformers")
 
@@ -128,4 +128,4 @@ def test_every_capture_size_captures_and_replays_with_eager_outputs(name: str) -
 
     assert sorted(c.size for c in report.captures) == [1, 2, 4]
     assert report.recaptures == 0, report
-    assert not report.fallbacks, f"unexpected fallbacks: {dict(report.fallbacks)}"
+    assert not unexpected_fallbacks(report), f"unexpected fallbacks: {unexpected_fallbacks(report)}"

@@ -59,25 +59,19 @@ class _Step:
         self.traces = None
         if config.graph_opt_level > 0 and config.cache_dir and config.cache_traces:
             identity = json.dumps([config.to_json(), self.dynamic_dims, self.pad_values], sort_keys=True)
-            self.traces = StoredTraces(fn, self.backend, identity)
+            self.traces = StoredTraces(fn, self.backend, identity, self._mark_dynamic)
         self.last_call: tuple[tuple, dict] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.config.use_cudagraph:
             self.last_call = (args, kwargs)
         if self.traces is not None:
-            result = self.traces.run(args, kwargs)
+            result = self.traces(args, kwargs)
             if result is not MISS:
                 return result
         if self.compiles and not self.backend.compiled_dynamic:
             self._mark_dynamic(args, kwargs)
-        graphs = len(self.backend.report().graphs)
-        result = self.fn(*args, **kwargs)
-        if self.traces is not None and len(self.backend.report().graphs) > graphs:
-            # Marked again: Dynamo's trace of a later graph sees the dims the first one did.
-            self._mark_dynamic(args, kwargs)
-            self.traces.store(args, kwargs)
-        return result
+        return self.fn(*args, **kwargs)
 
     def _mark_dynamic(self, args: tuple, kwargs: dict) -> None:
         for leaf, dim in zip(tree_leaves((args, kwargs)), self.leaf_dims(args, kwargs)):
@@ -200,6 +194,19 @@ class OptimizedFunction(_Optimized):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._step(*args, **kwargs)
+
+    def __reduce__(self) -> tuple:
+        # Pickled with the module whose forward it replaces (Dynamo's stored guards
+        # copy that module): compiled state does not travel, a clear error does.
+        return _unpickled_step, (getattr(self, "__qualname__", "a function"),)
+
+
+def _unpickled_step(name: str) -> Callable:
+    def step(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"this is a pickled copy of graphopt.optimize({name}); optimized steps do not "
+                           "survive pickling: call graphopt.optimize() on the loaded model again")
+
+    return step
 
 
 def optimize(model: Callable, config: GraphOptimizationConfig | None = None,

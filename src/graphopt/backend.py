@@ -51,7 +51,7 @@ class GraphSpec:
 
 
 class NotStorable(Exception):
-    """Why a graph's trace cannot be stored for a later process."""
+    """Why a stored trace cannot be used: its graph is gone from the compile cache."""
 
 
 def inductor_options(device_type: str, cached: bool) -> dict[str, Any]:
@@ -96,9 +96,6 @@ class Backend:
         self.compiled_dynamic = False
         self._levels: dict[str, int] = {}
         self._cache = cache.CompileCache(self.config.cache_dir, self._report) if self.config.cache_dir else None
-        # Per compile cache key: what a stored trace needs to build the graph again, and
-        # the compiled graph itself; or why the graph cannot be built again.
-        self._built: dict[str, tuple[GraphSpec, Callable] | str] = {}
         _compat.allow_recompiles(RECOMPILE_BUDGET)
         _compat.on_recompile_limit(self._gave_up)
 
@@ -106,18 +103,23 @@ class Backend:
         return self._report
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        return self.compile(gm, example_inputs)[0]
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Callable, GraphSpec | str]:
+        """What Dynamo runs for `gm`, and how a later process builds it again from
+        the compile cache (a GraphSpec), or why it cannot."""
         self.compiled_dynamic |= any(isinstance(x, torch.SymInt) for x in example_inputs)
         if _compat.is_recompile():
             self._report.recompiles += 1
         device = _device_type(example_inputs)
         level = self._level(device)
         mode = self._cudagraph_mode(level, device)
-        # The key of the whole graph, for stored traces; a bypassed cache is logged per compile, below.
-        key = self._cache_key(gm, list(example_inputs)) if level > 0 and self._cache_bypass() is None else None
+        bypass = "level 0 compiles nothing" if level == 0 else self._cache_bypass()
+        # The key of the whole graph, for its spec; a bypassed cache is logged per compile, below.
+        key = self._cache_key(gm, list(example_inputs)) if bypass is None else None
+        spec: GraphSpec | str = GraphSpec(key, level) if key is not None else bypass
         if mode == "none":
-            compiled = self._compile(gm, example_inputs, level, key)
-            self._remember(key, level, compiled)
-            return compiled
+            return self._compile(gm, example_inputs, level, key), spec
         from .runtime import piecewise
         from .runtime.fake_run import fake_run
         from .runtime.runner import GraphRunner
@@ -130,24 +132,18 @@ class Backend:
             self._report.fallback(f"use_cudagraph: graph {graph_index} could not be run on fake tensors to "
                                   f"find its splitting ops and written inputs ({type(error).__name__}: "
                                   f"{error}); it runs without device graphs")
-            compiled = self._compile(gm, example_inputs, level, key)
-            self._remember(key, level, compiled)
-            return compiled
-        signature = signature_of(gm, self.dynamic_dims, self.pad_values, findings.written)
+            return self._compile(gm, example_inputs, level, key), spec
+        signature = signature_of(gm, self.dynamic_dims, self.pad_values, findings.written, example_inputs)
         unsafe = findings.splitting_nodes
         if unsafe and mode == "full":
             reasons = "; ".join(sorted(set(unsafe.values())))
             self._report.fallback(f"use_cudagraph: cudagraph_mode='full' and graph {graph_index} has ops a "
                                   f"device graph cannot replay, so it runs without one: {reasons}")
-            compiled = self._compile(gm, example_inputs, level, key)
-            self._remember(key, level, compiled)
-            return compiled
+            return self._compile(gm, example_inputs, level, key), spec
         if not unsafe:
-            compiled = self._compile(gm, example_inputs, level, key)
-            self._remember(key, level, compiled, signature)
-            return self._runner(compiled, signature)
-        if key is not None:
-            self._built[key] = "it is split into pieces around ops a device graph cannot replay"
+            if isinstance(spec, GraphSpec):
+                spec.signature = signature
+            return self._runner(self._compile(gm, example_inputs, level, key), signature), spec
         from .runtime.capture import CapturedGraph, Pool
 
         split_gm, unsafe_pieces = piecewise.split(gm, unsafe)
@@ -173,7 +169,8 @@ class Backend:
             return wrapper
 
         piecewise.compile_pieces(split_gm, example_inputs, compile_piece)
-        return GraphRunner(split_gm, signature, captured, self.config, self._report)
+        runner = GraphRunner(split_gm, signature, captured, self.config, self._report)
+        return runner, "it is split into pieces around ops a device graph cannot replay"
 
     def _runner(self, compiled: Callable, signature: Any) -> Callable:
         """The runtime of an unsplit graph: one CapturedGraph, its device graphs in one pool."""
@@ -253,35 +250,23 @@ class Backend:
             self._restore(stored, record)
         return compiled
 
-    def _remember(self, key: str | None, level: int, compiled: Callable, signature: Any = None) -> None:
-        """Keep what `stored()` needs to describe `compiled` to a later process."""
-        if key is not None:
-            self._built[key] = (GraphSpec(key, level, signature), compiled)
-
     def stored(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> compat_traces.Stored:
-        """The backend of a storing trace (traces.py): the graph this Backend already
-        compiled for `gm`, as a `Stored` whose spec builds it again in a later
-        process. Raises NotStorable, saying why, where there is none to store."""
-        bypass = self._cache_bypass()
-        if bypass is not None:
-            raise NotStorable(bypass)
-        key = self._cache_key(gm, list(example_inputs))
-        built = self._built.get(key)
-        if built is None:
-            raise NotStorable("its trace differs from the one compiled in this process")
-        if isinstance(built, str):
-            raise NotStorable(built)
-        spec, compiled = built
-        entry = self._cache.load(key)
+        """The backend of a stored trace (traces.py): `gm` compiled as `__call__`
+        compiles it, as a `Stored` that also says how a later process builds it again
+        (or, in `why`, why it cannot: the trace then serves this process only)."""
+        runtime, spec = self.compile(gm, example_inputs)
+        if isinstance(spec, str):
+            return compat_traces.Stored(None, runtime, why=spec)
+        entry = self._cache.load(spec.key)
+        why = None
         if entry is None:
-            raise NotStorable("its graph is not in the compile cache")
-        if spec.level == 1 and entry["direct"] is None:
-            raise NotStorable("AOTAutograd's runtime wrapper does more than call its graph")
-        if spec.level == 2 and spec.inductor is None:
-            spec.inductor = compat_traces.bundled_inductor(compiled)
-            if spec.inductor is None:
-                raise NotStorable("AOTAutograd's cache kept no serializable entry of its Inductor code")
-        return compat_traces.Stored(spec, compiled)
+            why = "its graph could not be stored in the compile cache"
+        elif spec.level == 1 and entry["direct"] is None:
+            why = "AOTAutograd's runtime wrapper does more than call its graph"
+        elif spec.level == 2:
+            spec.inductor = compat_traces.bundled_inductor(_innermost(runtime))
+            why = None if spec.inductor is not None else "AOTAutograd's cache kept no serializable entry of its code"
+        return compat_traces.Stored(None if why else spec, runtime, why=why)
 
     def rebuild(self, spec: GraphSpec) -> Callable:
         """In a later process: the callable `__call__` returned for the graph of
@@ -477,6 +462,11 @@ def _inputs_match(gm: torch.fx.GraphModule, inputs: list) -> bool:
 
 def _count_ops(graph: torch.fx.Graph) -> int:
     return sum(1 for n in graph.nodes if n.op == "call_function")
+
+
+def _innermost(runtime: Callable) -> Callable:
+    """The compiled graph inside a GraphRunner (or the graph itself)."""
+    return runtime.captured[0].fn if hasattr(runtime, "captured") else runtime
 
 
 def _device_type(inputs: Sequence[Any]) -> str:

@@ -1,25 +1,27 @@
-"""Stored traces: what Dynamo made of a step, kept in the compile cache, so that a
-later process runs the step without tracing it again.
+"""Stored traces: an optimized step's Dynamo traces, run by graphopt and kept in the
+compile cache, so that a later process runs the step without tracing it again.
 
-    first process:   call -> Dynamo traces, guards, Backend compiles -> run
-                     then, once per new graph: trace once more without running
-                     (`_compat.traces.trace`) and store the trace: its bytecode and
-                     guards, and a spec from which the Backend builds the graph again
-    later process:   call -> a stored trace whose guards pass? -> run it (no tracing)
-                     else the first process's path, which stores what it compiles
+    call -> a trace whose guards pass for these inputs? -> run it
+            else: mark dynamic dims, trace the call as one graph (without running
+            it; `_compat.traces.trace`), the Backend compiles the graph -> store the
+            trace (bytecode, guards, a spec of its graph) -> run it
+    later process: the same, its traces read from the compile cache; each one's
+            graph is built again from the cache (Backend.rebuild) when it first runs
 
-Dynamo cannot store guards on object identity (`torch.cat is torch.cat`, a global
-function's code). A stored trace keeps its own record of what they guarded (module,
-function, class, code) and is used only where the same objects are found again; it
-is also refused when a function it inlined has changed its source. What a stored
-trace cannot see is a function rebound after its first use in the later process;
-`cache_traces=False` keeps every step under Dynamo's own guards.
+A trace keeps every guard Dynamo can store. The others compare object identities
+(`torch.cat`, a global function, a closure): a trace checks them itself on every
+call, against the objects it was traced with, or, in a later process, against
+objects it found under the same names and recognised (`identity()`: a module by
+name, a function by its code). A trace is also refused when a function it inlined
+has changed its source. Steps Dynamo cannot trace as one graph (graph breaks,
+guards on a dict's version), or with module forward hooks, run under
+`torch.compile`'s own dispatch; so do all steps with `cache_traces=False`.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
-import marshal
 import re
 import sys
 import types
@@ -27,141 +29,187 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-
-from . import cache
+from . import _compat, cache
 from ._compat import traces as compat
-from .backend import Backend, NotStorable
+from .backend import Backend
 
-MISS = object()       # what `StoredTraces.run` returns when no stored trace fits the call
-MAX_TRACES = 16       # per step; the oldest go first
+MISS = object()       # what `StoredTraces.__call__` returns for a call Dynamo must run
+
+# Identity guards a trace can check itself: `value is traced_value`.
+IDENTITY_GUARDS = frozenset({"ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH", "MODULE_MATCH", "CLOSURE_MATCH",
+                             "NN_MODULE", "BUILTIN_MATCH"})
+_MINTED = re.compile(r"G\['((?:__import_|__builtins_dict__)[^']*)'\]")
+_GLOBAL = re.compile(r"G\['([^']+)'\]")
 
 
 @dataclass
 class _Trace:
-    """One stored trace of a step, as read from the compile cache."""
+    """One trace of the step."""
 
-    data: bytes                                  # the serialized trace
-    identities: dict[str, str]                   # dropped guard's source -> what it found there
-    inference_mode: bool                         # the mode it was traced in (its guards are built in it)
-    traced: Any = None                           # loaded on first use
-    refused: str | None = None                   # why it cannot be used in this process
-    checked_identities: bool = False
-    used: bool = field(default=False, repr=False)
-    # Stored by this process, where Dynamo's own guards, which keep identities, serve the graph.
-    here: bool = field(default=False, repr=False)
+    data: bytes | None                 # serialized, None where a later process could not use it
+    identities: dict[str, str]         # identity guard's source -> identity() of what it found
+    inference_mode: bool               # traced in it: its guards are built in it too
+    traced: Any = field(default=None, repr=False)
+    objects: dict[str, Any] | None = field(default=None, repr=False)  # identity guard's source -> the object
+    check: Callable | None = field(default=None, repr=False)          # L -> whether the identities hold
+    bound: bool = False                # its graph is built (Backend.rebuild)
+    refused: str | None = None
 
     def stored(self) -> dict:
         return {"data": self.data, "identities": self.identities, "inference_mode": self.inference_mode}
 
 
 class StoredTraces:
-    """The stored traces of one optimized step (`fn`, compiled by `backend`)."""
+    """The traces of one optimized step `fn`, compiled by `backend`. `mark(args,
+    kwargs)` marks the batch dims of a call's inputs dynamic before it is traced."""
 
-    def __init__(self, fn: Callable, backend: Backend, identity: str):
-        self.function, self.bound = compat.traced_function(fn)
-        self.backend = backend
+    def __init__(self, fn: Callable, backend: Backend, identity_of_step: str, mark: Callable):
+        traced = compat.traced_function(fn)
+        self.function, self.bound_to = traced or (type(fn).forward, None)
         self.module = fn if isinstance(fn, torch.nn.Module) else None
+        self.backend = backend
+        self.mark = mark
         self.cache = cache.CompileCache(backend.config.cache_dir, backend.report())
-        self.key = cache.cache_key("stored traces", identity, _qualified(self.function))
-        self.traces: list[_Trace] | None = None    # read on the first call
+        self.key = cache.cache_key("stored traces", identity_of_step, _qualified(self.function))
+        self.globals = self.function.__globals__  # a decorator's wrapper: its own module's, not __module__'s
+        self.traces: list[_Trace] | None = None     # read from the cache on the first call
+        self.untraceable: str | None = compat.unsupported() or (
+            None if traced else "its module's call is more than its forward method")
 
-    def run(self, args: tuple, kwargs: dict) -> Any:
-        """The step's result from the first stored trace that fits this call, or MISS."""
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        """The step's result, from a trace that fits the call or from a new one; MISS
+        where Dynamo's own dispatch must run the call."""
         if self.traces is None:
-            stored = self.cache.load(self.key) or []
-            self.traces = [_Trace(**entry) for entry in stored]
-        if not self.traces or self._hooked():
+            self.traces = [_Trace(**entry) for entry in (self.cache.load(self.key) or [])]
+        if self.module is not None and compat.has_forward_hooks(self.module):
             return MISS
-        args = args if self.bound is None else (self.bound, *args)
+        full = args if self.bound_to is None else (self.bound_to, *args)
+        frame: dict | None = None   # the traced function's locals for this call: the same for every trace
         for trace in self.traces:
-            if trace.refused is None and not trace.here and self._fits(trace, args, kwargs):
-                if not trace.used:
-                    trace.used = True
-                    self.backend.report().traces_used += 1
-                return compat.run(trace.traced, args, kwargs)
-        return MISS
+            if trace.refused is not None or (trace.traced is None and not self._load(trace)):
+                continue
+            frame = frame or compat.frame_locals(trace.traced, full, kwargs)
+            if self._fits(trace, frame):
+                return compat.run(trace.traced, full, kwargs)
+        trace = self._trace(args, kwargs)
+        return MISS if trace is None else compat.run(trace.traced, full, kwargs)
 
-    def store(self, args: tuple, kwargs: dict) -> None:
-        """Trace the call that just compiled a new graph once more, without running
-        it, and add the trace to the step's entry. What cannot be stored is logged."""
-        report = self.backend.report()
-        reason = compat.unsupported() or (self._hooked() and "the module has forward hooks, which a stored "
-                                          "trace would skip")
-        if not reason:
-            identities: dict[str, str] = {}
-            args = args if self.bound is None else (self.bound, *args)
+    def _fits(self, trace: _Trace, frame: dict) -> bool:
+        """Its guards pass, the objects under its identity guards are the ones it
+        was traced with, and its graph is built."""
+        if not compat.guards_pass(trace.traced, frame):
+            return False
+        if trace.check is None:
+            trace.objects = self._found(trace, frame)
+            if trace.objects is None:
+                return False
+            trace.check = _identity_check(trace.objects)
+        if not _holds(trace.check, frame, self.globals):
+            return False
+        if not trace.bound:
+            stored = compat.stored_callable(trace.traced)
             try:
-                traced = compat.trace(self.function, args, kwargs, self.backend.stored,
-                                      lambda entry: _keep_guard(entry, identities))
-                data = compat.dumps(traced)
-            except Exception as error:  # noqa: BLE001 - a graph break, an unpicklable value: the trace is not stored
-                reason = _why(error)
-            else:
-                self.traces = self.traces or []
-                self.traces.append(_Trace(data, identities, torch.is_inference_mode_enabled(), here=True))
-                self.traces = self.traces[-MAX_TRACES:]
-                self.cache.store(self.key, [t.stored() for t in self.traces if t.refused is None])
-                report.traces_stored += 1
-                return
-        report.fallback(f"cache_dir: a Dynamo trace of {_qualified(self.function)} could not be stored ({reason}); "
-                        "a later process traces it again (its compiled graphs still come from the cache)")
-
-    def _fits(self, trace: _Trace, args: tuple, kwargs: dict) -> bool:
-        """Whether the stored trace runs this call: loaded, its recorded identities
-        found again (checked once), its guards passing (every call)."""
-        if trace.traced is None:
-            trace.traced = self._load(trace)
-            if trace.traced is None:
+                stored.bind(self.backend.rebuild(stored.spec))
+            except Exception as error:  # noqa: BLE001 - a graph that cannot be built costs a new trace
+                self._refuse(trace, _why(error))
                 return False
-        if not trace.checked_identities:
-            trace.checked_identities = True
-            trace.refused = self._changed_identity(trace, args, kwargs)
-            if trace.refused is not None:
-                self._refuse(trace, trace.refused)
-                return False
-        return compat.guards_pass(trace.traced, args, kwargs)
+            trace.bound = True
+            self.backend.report().traces_used += 1
+        return True
 
-    def _load(self, trace: _Trace) -> Any:
-        """The trace, its graph rebuilt by the Backend from the compile cache, or None."""
+    def _load(self, trace: _Trace) -> bool:
         try:
             with torch.inference_mode(trace.inference_mode):
-                traced = compat.loads(trace.data, sys.modules[self.function.__module__].__dict__)
-            changed = compat.changed_source(traced)
-            if changed is not None:
-                raise NotStorable(f"the source of {changed} changed since it was traced")
-            stored = compat.stored_callable(traced)
-            stored.bind(self.backend.rebuild(stored.spec))
-        except Exception as error:  # noqa: BLE001 - any unusable entry costs a trace, never a wrong result
+                traced = compat.loads(trace.data, self.globals)
+        except Exception as error:  # noqa: BLE001 - an entry this torch cannot load is traced again
             self._refuse(trace, _why(error))
-            return None
-        return traced
+            return False
+        changed = compat.changed_source(traced)
+        if changed is not None:
+            self._refuse(trace, f"the source of {changed} changed since it was traced")
+            return False
+        trace.traced = traced
+        return True
 
-    def _changed_identity(self, trace: _Trace, args: tuple, kwargs: dict) -> str | None:
-        frame = compat.frame_locals(trace.traced, args, kwargs)
-        scope = _Globals(sys.modules[self.function.__module__].__dict__)
+    def _found(self, trace: _Trace, frame: dict) -> dict[str, Any] | None:
+        """The objects under a loaded trace's identity guards in this process, when
+        each is what was traced (`identity()`); else the trace is refused."""
+        objects = {}
         for name, expected in trace.identities.items():
             try:
-                found = identity(compat.guard_value(name, frame, scope))
-            except Exception:  # noqa: BLE001 - a source that no longer evaluates is a changed one
-                found = None
-            if found != expected:
-                return f"{name} is not the object it was traced with ({found or 'not found'}, was {expected})"
-        return None
+                objects[name] = _evaluate(name, frame, self.globals)
+            except Exception:  # noqa: BLE001 - a source that no longer evaluates names nothing
+                objects[name] = None
+            if identity(objects[name]) != expected:
+                self._refuse(trace, f"{name} is not the object it was traced with "
+                                    f"({identity(objects[name]) or 'not found'}, was {expected})")
+                return None
+        return objects
+
+    def _trace(self, args: tuple, kwargs: dict) -> _Trace | None:
+        """Trace the call, compile its graph, store the trace; None (logged) where
+        the step cannot be traced as one graph."""
+        report = self.backend.report()
+        if self.untraceable is None and sum(t.bound for t in self.traces) >= _compat.recompile_limit():
+            self._give_up(f"it has {_compat.recompile_limit()} traces, Dynamo's recompile_limit")
+        if self.untraceable is not None:
+            return None
+        self.mark(args, kwargs)  # other dims become dynamic as Dynamo's automatic dynamic shapes decide
+        objects: dict[str, Any] = {}
+        problems: list[str] = []
+        full = args if self.bound_to is None else (self.bound_to, *args)
+        try:
+            traced, unstorable = compat.trace(self.function, full, kwargs, self.backend.stored,
+                                              lambda entry: _keep_guard(entry, objects, problems))
+        except Exception as error:  # noqa: BLE001 - a graph break, an unsupported construct: Dynamo runs it
+            self._give_up(_why(error))
+            return None
+        # As Dynamo counts: a new graph for a step that already ran one in this process.
+        report.recompiles += any(t.bound for t in self.traces)
+        trace = _Trace(None, {}, torch.is_inference_mode_enabled(), traced, objects, _identity_check(objects),
+                       bound=True)
+        self.traces.append(trace)
+        self._store(trace, unstorable or (problems[0] if problems else None))
+        return trace
+
+    def _store(self, trace: _Trace, unstorable: str | None) -> None:
+        identities = {name: identity(value) for name, value in trace.objects.items()}
+        unnamed = [name for name, found in identities.items() if found is None]
+        try:
+            if unstorable or unnamed:
+                raise compat.NotSerializable(unstorable or f"{unnamed[0]} is an object a later process cannot "
+                                             "recognise")
+            data = compat.dumps(trace.traced)
+            compat.loads(data, self.globals)  # what does not load here would not load in a later process
+            trace.data, trace.identities = data, identities
+        except Exception as error:  # noqa: BLE001 - unpicklable state costs later processes a trace, not this one
+            self.backend.report().fallback(f"cache_dir: a trace of {_qualified(self.function)} is used in this "
+                                           f"process only ({_why(error)}); a later process traces it again")
+            return
+        kept = [t.stored() for t in self.traces if t.data is not None and t.refused is None]
+        self.cache.store(self.key, kept[-_compat.recompile_limit():])
+        self.backend.report().traces_stored += 1
+
+    def _give_up(self, reason: str) -> None:
+        self.untraceable = reason
+        self.backend.report().fallback(f"cache_dir: {_qualified(self.function)} runs under torch.compile's own "
+                                       f"dispatch from now on, without stored traces ({reason})")
 
     def _refuse(self, trace: _Trace, reason: str) -> None:
         trace.refused = reason
-        self.backend.report().fallback(f"cache_dir: a stored Dynamo trace of {_qualified(self.function)} is not "
-                                       f"used ({reason}); the step is traced again")
-
-    def _hooked(self) -> bool:
-        """Module hooks run outside the traced forward: a stored trace would skip them."""
-        return self.module is not None and compat.has_forward_hooks(self.module)
+        self.backend.report().fallback(f"cache_dir: a stored trace of {_qualified(self.function)} is not used "
+                                       f"({reason}); the step is traced again")
 
 
 def identity(value: Any) -> str | None:
-    """A process-independent name for an object a guard compared by identity: a
-    module by name, a class or builtin by qualified name, a function or code object
-    by its code. None for objects that have no such name."""
+    """A name for an object that a later process can find again and compare: a
+    module by name, a class, enum member or builtin by qualified name, a function or
+    code object by its code, None and the bools as themselves. None for objects that
+    have no such name."""
+    if value is None or value is Ellipsis or isinstance(value, bool):
+        return f"constant {value!r}"
+    if isinstance(value, enum.Enum):
+        return f"enum {_qualified(type(value))}.{value.name}"
     if isinstance(value, types.ModuleType):
         return f"module {value.__name__}"
     if isinstance(value, types.CodeType):
@@ -178,42 +226,67 @@ def identity(value: Any) -> str | None:
     return None
 
 
-def _keep_guard(entry: Any, identities: dict[str, str]) -> bool:
-    """Keep the guards Dynamo can store; record what the others guard by identity."""
+def _keep_guard(entry: Any, objects: dict[str, Any], problems: list[str]) -> bool:
+    """Take over the identity guards (their sources and objects go to `objects`);
+    Dynamo keeps the rest. Those it cannot store (a dict's version), or could not
+    check in a later process (`problems`), keep the trace from being stored, not
+    from running here."""
     name = compat.guard_name(entry)
-    if not compat.guard_type(entry) & compat.unstorable_guard_types():
-        bound = _GLOBAL_BINDING.fullmatch(name)
-        if bound and not compat.live_global_guards() and not _is_minted(bound[1]) and identity(entry.value) is None:
-            raise NotStorable(f"its guards read the module global {bound[1]}, which a stored trace on torch "
-                              f"{torch.__version__} would check against a copy taken when it is loaded")
+    unstorable = compat.guard_type(entry) & compat.unstorable_guard_types()
+    if not unstorable or unstorable - IDENTITY_GUARDS or not entry.has_value:
+        bound = _GLOBAL.fullmatch(name)
+        if bound and not _MINTED.fullmatch(name) and not compat.live_global_guards() and \
+                identity(entry.value) is None:
+            problems.append(f"its guards read the module global {bound[1]}, which torch {torch.__version__} "
+                            "would check in a later process against a copy taken when the trace is loaded")
         return True
-    found = identity(entry.value) if entry.has_value else None
-    if found is None:
-        raise NotStorable(f"a guard compares {name} by identity, which cannot be stored")
-    identities[name] = found
+    objects[name] = entry.value
     return False
 
 
-_GLOBAL_BINDING = re.compile(r"G\['([^']+)'\]")
+def _identity_check(objects: dict[str, Any]) -> Callable:
+    """One function (L: the frame's locals, G: its globals) -> whether every source
+    in `objects` still holds the same object. Like Dynamo's guards, it reads G live."""
+    parts = [f"({_MINTED.sub(lambda m: f'M[{m[1]!r}]', name)}) is O[{i}]" for i, name in enumerate(objects)]
+    scope = {**compat.guard_helpers(), "O": list(objects.values()), "M": _ALIASES}
+    return eval("lambda L, G: " + (" and ".join(parts) or "True"), scope)  # noqa: S307 - Dynamo's guard sources
 
 
-def _is_minted(name: str) -> bool:
+def _evaluate(name: str, frame: dict, module_globals: dict) -> Any:
+    """The object under a guard's source in this frame."""
+    source = _MINTED.sub(lambda m: f"M[{m[1]!r}]", name)
+    return eval(source, {**compat.guard_helpers(), "L": frame, "G": module_globals, "M": _ALIASES})  # noqa: S307
+
+
+def _holds(check: Callable, frame: dict, module_globals: dict) -> bool:
     try:
-        compat.minted_global(name)
-    except KeyError:
+        return bool(check(frame, module_globals))
+    except Exception:  # noqa: BLE001 - a source that no longer evaluates does not hold
         return False
-    return True
 
 
-class _Globals(dict):
-    """The traced function's module globals, with the names Dynamo adds to them."""
+class _Aliases(dict):
+    """Dynamo's names for modules (`__import_torch_dot_nn`) and the builtins dict,
+    which a later process's module globals lack: resolved by name, once."""
 
     def __missing__(self, name: str) -> Any:
-        return compat.minted_global(name)
+        value = self[name] = compat.minted_global(name)
+        return value
+
+
+_ALIASES = _Aliases()
 
 
 def _code_digest(code: types.CodeType) -> str:
-    return hashlib.sha256(marshal.dumps(code)).hexdigest()[:16]
+    """What a code object does, where it was written: equal for a copy torch rebuilt
+    from a stored trace (marshal's bytes are not)."""
+    digest = hashlib.sha256()
+    for part in (code.co_filename, code.co_name, str(code.co_firstlineno), *code.co_names, *code.co_varnames):
+        digest.update(part.encode() + b"\0")
+    digest.update(code.co_code)
+    for const in code.co_consts:
+        digest.update((_code_digest(const) if isinstance(const, types.CodeType) else repr(const)).encode() + b"\0")
+    return digest.hexdigest()[:16]
 
 
 def _qualified(value: Any) -> str:

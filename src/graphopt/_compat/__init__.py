@@ -182,14 +182,19 @@ def input_kinds(gm: torch.fx.GraphModule) -> list[str]:
     """For each placeholder of a Dynamo graph: "parameter", "buffer" or "input",
     read from the source Dynamo recorded for it."""
     kinds = []
-    for node in gm.graph.nodes:
-        if node.op != "placeholder":
-            continue
-        source = getattr(node.meta.get("grapharg"), "source", None)
-        name = getattr(source, "name", "")
-        name = name() if callable(name) else str(name)  # a method before torch 2.12, a property since
+    for node in gm.graph.find_nodes(op="placeholder"):
+        name = _source_name(node)
         kinds.append("parameter" if "._parameters[" in name else "buffer" if "._buffers[" in name else "input")
     return kinds
+
+
+def _source_name(placeholder: torch.fx.Node) -> str:
+    """Where Dynamo took a placeholder's value from (`L['self']._modules[...]`), or "".
+    The node's `grapharg` has it; a graph from Dynamo's full-graph capture (stored
+    traces) keeps only the `_dynamo_source` Dynamo sets before calling a backend."""
+    source = getattr(placeholder.meta.get("grapharg"), "source", None) or getattr(placeholder, "_dynamo_source", None)
+    name = getattr(source, "name", "")
+    return name() if callable(name) else str(name)  # a method before torch 2.12, a property since
 
 
 def allow_recompiles(count: int) -> None:
@@ -197,8 +202,16 @@ def allow_recompiles(count: int) -> None:
     eagerly. Its limit counts every graph of a code object, across every
     torch.compile of it: each optimized copy of one model needs its own share."""
     config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, name, getattr(config, name) + count)
+    setattr(config, _recompile_limit_name(), recompile_limit() + count)
+
+
+def recompile_limit() -> int:
+    """How many graphs Dynamo keeps per function before it gives up and runs eagerly."""
+    return getattr(torch._dynamo.config, _recompile_limit_name())
+
+
+def _recompile_limit_name() -> str:
+    return "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
 def written_arguments(op: Any, args: tuple, kwargs: dict) -> list[Any]:
@@ -225,7 +238,7 @@ def known_true(condition: Any) -> bool:
     return bool(statically_known_true(condition))
 
 
-def graph_inputs(gm: torch.fx.GraphModule) -> list[tuple[str, str | None, Any]]:
+def graph_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any] = ()) -> list[tuple[str, str | None, Any]]:
     """For each placeholder of a Dynamo graph: (kind, argument name, example value).
 
     kind is "static" for parameters, buffers and tensors marked static
@@ -233,17 +246,16 @@ def graph_inputs(gm: torch.fx.GraphModule) -> list[tuple[str, str | None, Any]]:
     "input". The argument name is the `forward` argument the value came from
     (`slots` for `L['slots']`, `input_ids` for `L['kwargs']['input_ids']`), or None.
     The example value is Dynamo's fake tensor or SymInt, with symbolic sizes.
+    `example_inputs` (the backend's) stand in for the values a graph from Dynamo's
+    full-graph capture no longer records.
     """
     found = []
-    for node in gm.graph.nodes:
-        if node.op != "placeholder":
-            continue
+    for i, node in enumerate(gm.graph.find_nodes(op="placeholder")):
         grapharg = node.meta.get("grapharg")
-        source = getattr(grapharg, "source", None)
-        name = getattr(source, "name", "")
-        name = name() if callable(name) else str(name)  # a method before torch 2.12, a property since
+        name = _source_name(node)
         example = node.meta.get("example_value")
-        real = getattr(grapharg, "example", None) if grapharg is not None else None
+        real = grapharg.example if grapharg is not None else \
+            example_inputs[i] if i < len(example_inputs) else None
         if isinstance(example, torch.SymInt):
             kind = "symint"
         elif "._parameters[" in name or "._buffers[" in name or \

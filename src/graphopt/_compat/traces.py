@@ -10,9 +10,12 @@ identities) are handed to the caller's filter, which keeps its own record of the
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import inspect
 import pickle
 import sys
+import types
 from typing import Any, Callable, Iterator
 
 import torch
@@ -21,12 +24,15 @@ import torch
 def unsupported() -> str | None:
     """Why this torch cannot store traces, or None when it can."""
     try:
-        from torch._dynamo.aot_compile import AOTCompiledFunction, aot_compile_fullgraph
+        from torch._dynamo.aot_compile import AOTCompiledFunction, CompileArtifacts  # noqa: F401
         from torch._dynamo.aot_compile_types import SerializableCallable  # noqa: F401
     except ImportError as error:
         return f"torch {torch.__version__} has no torch._dynamo.aot_compile ({error})"
-    if not {"model", "example_inputs", "hooks", "backend"} <= set(inspect.signature(aot_compile_fullgraph).parameters):
-        return f"torch {torch.__version__}'s aot_compile_fullgraph takes other arguments"
+    from torch._dynamo import convert_frame
+
+    if not all(hasattr(convert_frame, name) for name in ("fullgraph_capture", "get_traced_fn", "_get_signature",
+                                                         "preserve_global_state")):
+        return f"torch {torch.__version__}'s Dynamo lacks fullgraph_capture"
     if not all(hasattr(AOTCompiledFunction, name) for name in ("serialize", "deserialize", "guard_check",
                                                                  "prepare_f_locals", "disable_guard_check")):
         return f"torch {torch.__version__}'s AOTCompiledFunction lacks the methods graphopt uses"
@@ -40,28 +46,88 @@ def unstorable_guard_types() -> frozenset[str]:
     return frozenset(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
 
 
-def traced_function(fn: Callable) -> tuple[Callable, Any]:
+def traced_function(fn: Callable) -> tuple[Callable, Any] | None:
     """(the function Dynamo traces for `fn`, the object bound as its first argument
-    or None): an nn.Module's forward with the module, a bound method with its self."""
+    or None): an nn.Module's forward with the module, a bound method with its self.
+    None for a module whose call is more than its forward (a custom `__call__`, a
+    forward that is not its own method), which only Dynamo's dispatch runs whole."""
     if isinstance(fn, torch.nn.Module):
-        return type(fn).forward, fn
+        forward = fn.forward
+        if type(fn).__call__ is not torch.nn.Module.__call__ or not inspect.ismethod(forward) or \
+                forward.__self__ is not fn:
+            return None
+        return forward.__func__, fn
     if inspect.ismethod(fn):
         return fn.__func__, fn.__self__
     return fn, None
 
 
 def trace(fn: Callable, args: tuple, kwargs: dict, backend: Callable,
-          keep_guard: Callable[[Any], bool]) -> Any:
-    """Trace `fn(*args, **kwargs)` as one graph, without running it. `backend`
-    returns a `Stored` callable; `keep_guard(entry)` says which guards the trace keeps
-    (entry: Dynamo's GuardFilterEntry, with `.name`, `.value`, `.guard_type`)."""
-    from torch._dynamo.aot_compile import aot_compile_fullgraph
+          keep_guard: Callable[[Any], bool]) -> tuple[Any, str | None]:
+    """Trace `fn(*args, **kwargs)` as one graph, without running it, and compile the
+    graph with `backend` as torch.compile would. `keep_guard(entry)` says which
+    guards the trace keeps (entry: Dynamo's GuardFilterEntry, with `.name`, `.value`,
+    `.guard_type`). Returns (the trace, why it cannot be stored or None): a trace
+    whose guards cannot be stored still runs in this process, every guard checked.
+
+    torch's own `aot_compile_fullgraph`, step by step, for two differences: the
+    backend compiles under the caller's AOTAutograd settings (aot_compile's are for
+    Inductor alone), and guards that cannot be stored cost the storing, not the trace.
+    """
+    from torch._dynamo import convert_frame
+    from torch._dynamo.aot_compile import AOTCompiledFunction, CompileArtifacts
     from torch._dynamo.hooks import Hooks
+    from torch._dynamo.package import SourceInfo
+    from torch._dynamo.utils import dynamo_timed, get_metrics_context
+    from torch._dynamo.variables.torch_function import torch_function_mode_stack_state_mgr
 
-    def guard_filter(entries: list) -> list[bool]:
-        return [keep_guard(entry) for entry in entries]
+    hooks = Hooks(guard_filter_fn=lambda entries: [keep_guard(entry) for entry in entries])
+    with get_metrics_context(), dynamo_timed("fullgraph_capture"), torch_function_mode_stack_state_mgr:
+        capture = convert_frame.fullgraph_capture(fn, args, kwargs)
+        output = capture.graph_capture_output
+        traced_fn, _ = convert_frame.get_traced_fn(fn)
+        backend_input = capture.backend_input
+        context = torch._guards.TracingContext(backend_input.fake_mode)
+        context.tensor_to_context = backend_input.tensor_to_context
+        # As Dynamo compiles: outside inference mode, the global state restored after.
+        compile_graph = convert_frame.preserve_global_state(backend)
+        with torch._guards.tracing(context):
+            compiled = compile_graph(backend_input.graph_module, backend_input.example_inputs)
+        with contextlib.ExitStack() as restored:
+            if torch_function_mode_stack_state_mgr.stack:
+                restored.enter_context(torch_function_mode_stack_state_mgr.temp_restore_stack())
+            try:
+                check = output.build_guards(traced_fn.__code__, hooks=hooks, save=True, strict_error=True)
+                why = None
+            except Exception as error:  # noqa: BLE001 - a guard or value pickle refuses: kept, not stored
+                check = output.build_guards(traced_fn.__code__, hooks=hooks, save=False)
+                why = f"{type(error).__name__}: {error}"
+        sources = SourceInfo(inlined_sources=set())
+        for code in output.traced_code:
+            sources.add_code(code)
+        runtime = output.get_runtime_env()
+        # Modules the bytecode reads under names Dynamo made up for this process
+        # (`___module_collections_<id>`): carried as modules, found again by name.
+        runtime.used_globals.update({ref: traced_fn.__globals__[ref] for ref in runtime.external_refs
+                                     if isinstance(traced_fn.__globals__.get(ref), types.ModuleType)})
+        artifacts = CompileArtifacts(
+            signature=convert_frame._get_signature(traced_fn), guard_manager=check.guard_manager,
+            guards_state=check.guards_state, backend_id=backend_input.backend_id, compiled_fn=compiled,
+            original_code=traced_fn.__code__, runtime_env=runtime, source_info=sources,
+            device_type=_device_type(backend_input.graph_module.graph), backend_name="graphopt")
+        traced = AOTCompiledFunction(_artifacts=artifacts, _extra_globals=traced_fn.__globals__)
+        _read_globals_live(traced, traced_fn.__globals__)
+        return traced, why
 
-    return aot_compile_fullgraph(fn, (args, kwargs), hooks=Hooks(guard_filter_fn=guard_filter), backend=backend)
+
+def _device_type(graph: torch.fx.Graph) -> str:
+    from torch._dynamo import graph_utils
+
+    if hasattr(graph_utils, "_graph_device_type"):
+        return graph_utils._graph_device_type(graph)
+    from torch._dynamo.package import _collapse_device_types
+
+    return _collapse_device_types(graph_utils._graph_device_types(graph))
 
 
 def guard_name(entry: Any) -> str:
@@ -83,15 +149,57 @@ def live_global_guards() -> bool:
 
 
 def has_forward_hooks(module: torch.nn.Module) -> bool:
-    """Forward hooks on `module` or on every module: they run outside the traced forward."""
-    return bool(module._forward_pre_hooks or module._forward_hooks
-                or torch.nn.modules.module._has_any_global_hook())
+    """Hooks on `module` or on every module: they run around the traced forward."""
+    return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks
+                or module._backward_hooks or torch.nn.modules.module._has_any_global_hook())
 
 
 def dumps(traced: Any) -> bytes:
-    from torch._dynamo.aot_compile import AOTCompiledFunction
+    from torch._dynamo import aot_compile
 
-    return AOTCompiledFunction.serialize(traced).serialized_data
+    with _functions_by_code(aot_compile):
+        return aot_compile.AOTCompiledFunction.serialize(traced).serialized_data
+
+
+@contextlib.contextmanager
+def _functions_by_code(aot_compile: Any) -> Iterator[None]:
+    """Before torch 2.15 a trace cannot hold a function its module does not name
+    (the one a decorator wraps, such as transformers' forwards): pickle those by
+    their code, as torch does for local functions."""
+    if FunctionsByCodePickler is None:
+        yield
+        return
+    base = aot_compile.AOTCompilePickler
+    aot_compile.AOTCompilePickler = FunctionsByCodePickler
+    try:
+        yield
+    finally:
+        aot_compile.AOTCompilePickler = base
+
+
+def _functions_by_code_pickler() -> type | None:
+    from torch._dynamo import aot_compile
+
+    if hasattr(aot_compile, "FunctionPicklerBase") or not hasattr(aot_compile, "AOTCompilePickler"):
+        return None
+
+    class FunctionsByCodePickler(aot_compile.AOTCompilePickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if inspect.isfunction(obj) and _found_by_name(obj) is not obj:
+                return type(self)._unpickle_nested_function, (obj.__code__, obj.__module__, obj.__qualname__,
+                                                             obj.__defaults__, obj.__closure__)
+            return super().reducer_override(obj)
+
+    # The base pickles some objects as `type(self)._unpickle_...`: found again at module level.
+    FunctionsByCodePickler.__qualname__ = FunctionsByCodePickler.__name__
+    return FunctionsByCodePickler
+
+
+def _found_by_name(fn: Callable) -> Any:
+    try:
+        return functools.reduce(getattr, fn.__qualname__.split("."), importlib.import_module(fn.__module__))
+    except (ImportError, AttributeError):
+        return None
 
 
 def loads(data: bytes, module_globals: dict[str, Any]) -> Any:
@@ -103,7 +211,33 @@ def loads(data: bytes, module_globals: dict[str, Any]) -> Any:
     live_scope = {"guard_globals": module_globals} if live_global_guards() else {}
     traced = AOTCompiledFunction.deserialize(data, module_globals, **live_scope)
     traced.disable_guard_check()
+    _read_globals_live(traced, module_globals)
     return traced
+
+
+class _LiveGlobals(dict):
+    """The globals of a trace's bytecode: its own names (the compiled graph, Dynamo's
+    module aliases), then the module's globals as they are at each read, as the
+    traced function reads them. torch builds them as a copy of the module's."""
+
+    def __init__(self, own: dict[str, Any], module_globals: dict[str, Any]):
+        super().__init__(own)
+        self.module_globals = module_globals
+
+    def __missing__(self, name: str) -> Any:
+        return self.module_globals[name]
+
+
+def _read_globals_live(traced: Any, module_globals: dict[str, Any]) -> None:
+    env = traced._artifacts.runtime_env
+    own = {**{alias: importlib.import_module(name) for alias, name in env.import_sources.items()},
+           **{name: value for name, value in env.used_globals.items() if name not in module_globals},
+           traced._artifacts.backend_id: traced._artifacts.compiled_fn,
+           "__builtins__": module_globals.get("__builtins__", __builtins__)}
+    fn = types.FunctionType(env.bytecode, _LiveGlobals(own, module_globals), closure=env.closure,
+                            argdefs=env.argdefs)
+    fn.__kwdefaults__ = env.kwdefaults
+    traced.fn = fn
 
 
 def stored_callable(traced: Any) -> Any:
@@ -115,8 +249,9 @@ def frame_locals(traced: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     return traced.prepare_f_locals(*args, **kwargs)
 
 
-def guards_pass(traced: Any, args: tuple, kwargs: dict) -> bool:
-    return bool(traced.guard_check(*args, **kwargs))
+def guards_pass(traced: Any, frame: dict[str, Any]) -> bool:
+    """Whether the trace's stored guards pass for a call (`frame`: `frame_locals`)."""
+    return bool(traced._artifacts.guard_manager.check(frame))
 
 
 def run(traced: Any, args: tuple, kwargs: dict) -> Any:
@@ -137,11 +272,11 @@ def changed_source(traced: Any) -> str | None:
     return None
 
 
-def guard_value(name: str, f_locals: dict[str, Any], f_globals: Any) -> Any:
-    """Evaluate a guard's source expression (`guard_name`) in a frame."""
+def guard_helpers() -> dict[str, Any]:
+    """The helpers Dynamo's guard sources call (`___odict_getitem`, ...), by name."""
     from torch._dynamo.guards import _get_closure_vars
 
-    return eval(name, {**_get_closure_vars(), "L": f_locals, "G": f_globals})  # noqa: S307 - Dynamo's own names
+    return _get_closure_vars()
 
 
 def minted_global(name: str) -> Any:
@@ -183,6 +318,10 @@ def bundled_inductor_cache() -> Iterator[None]:
         yield
 
 
+class NotSerializable(Exception):
+    """A trace whose graph a later process could not build again."""
+
+
 def _stored_base() -> type:
     from torch._dynamo.aot_compile_types import SerializableCallable
 
@@ -190,12 +329,14 @@ def _stored_base() -> type:
 
 
 class Stored(_stored_base() if unsupported() is None else object):  # type: ignore[misc]
-    """What a stored trace's bytecode calls in place of the compiled graph: `spec`
-    (picklable) says how to build that graph again; `bind()` gives it the callable."""
+    """What a trace's bytecode calls in place of the compiled graph: `target`, and
+    `spec` (picklable) saying how a later process builds it again, or None with the
+    reason in `why`. A loaded trace gets its target from `bind()`."""
 
-    def __init__(self, spec: Any, target: Callable | None = None):
+    def __init__(self, spec: Any, target: Callable | None = None, why: str | None = None):
         self.spec = spec
         self.target = target
+        self.why = why
 
     def bind(self, target: Callable) -> None:
         self.target = target
@@ -205,8 +346,13 @@ class Stored(_stored_base() if unsupported() is None else object):  # type: igno
 
     @classmethod
     def serialize_compile_artifacts(cls, fn: Stored) -> bytes:
+        if fn.spec is None:
+            raise NotSerializable(fn.why)
         return pickle.dumps(fn.spec)
 
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> Stored:
         return cls(pickle.loads(data))
+
+
+FunctionsByCodePickler = _functions_by_code_pickler()

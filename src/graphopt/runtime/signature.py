@@ -68,12 +68,13 @@ class BatchMismatch(ValueError):
 
 
 def signature_of(gm: torch.fx.GraphModule, dynamic_dims: Mapping[str, int] | None,
-                 pad_values: Mapping[str, float | int], written: list[bool]) -> Signature:
+                 pad_values: Mapping[str, float | int], written: list[bool],
+                 example_inputs: Sequence[Any] = ()) -> Signature:
     """Read a Dynamo graph's signature. `dynamic_dims` ({argument: dim}, None for
     the default dim 0) picks the batch symbols; `pad_values` gives padded rows'
     values; `written[i]` says the graph writes input i in place (it is then used
-    in place: a "mutated" input)."""
-    inputs = _compat.graph_inputs(gm)
+    in place: a "mutated" input); `example_inputs` are the backend's."""
+    inputs = _compat.graph_inputs(gm, example_inputs)
     batch = _batch_symbols(inputs, dynamic_dims)
     kinds = ["mutated" if w and kind == "input" else kind for (kind, _, _), w in zip(inputs, written)]
     pads = [pad_values.get(name, 0) if name else 0 for _, name, _ in inputs]
