@@ -203,15 +203,17 @@ class StoredTraces:
 
 def identity(value: Any) -> str | None:
     """A name for an object that a later process can find again and compare: a
-    module by name, a class, enum member or builtin by qualified name, a function or
-    code object by its code, None and the bools as themselves. None for objects that
-    have no such name."""
+    module by name, a class, enum member, torch op or builtin by qualified name, a
+    function or code object by its code, None and the bools as themselves. None for
+    objects that have no such name."""
     if value is None or value is Ellipsis or isinstance(value, bool):
         return f"constant {value!r}"
     if isinstance(value, enum.Enum):
         return f"enum {_qualified(type(value))}.{value.name}"
     if isinstance(value, types.ModuleType):
         return f"module {value.__name__}"
+    if (op := compat.op_name(value)) is not None:
+        return f"op {op}"
     if isinstance(value, types.CodeType):
         return f"code {_code_digest(value)}"
     if isinstance(value, types.FunctionType):

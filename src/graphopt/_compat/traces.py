@@ -154,6 +154,15 @@ def has_forward_hooks(module: torch.nn.Module) -> bool:
                 or module._backward_hooks or torch.nn.modules.module._has_any_global_hook())
 
 
+def op_name(value: Any) -> str | None:
+    """`namespace::op` for a torch op or op overload (`torch.ops.aten.add`), else None."""
+    if isinstance(value, torch._ops.OpOverloadPacket):
+        return value._qualified_op_name
+    if isinstance(value, torch._ops.OpOverload):
+        return value.name()
+    return None
+
+
 def dumps(traced: Any) -> bytes:
     from torch._dynamo import aot_compile
 
