@@ -1,9 +1,8 @@
 """Shared fixtures: GPU-only tests skip without CUDA; Dynamo's caches are reset
-between tests so one test's graphs and recompile counts never leak into another,
-and graphopt's compile cache is off unless a test turns it on (tests/test_cache.py),
-so no test reads what an earlier run stored. GRAPHOPT_TEST_CACHE_DIR=<new dir>
-runs the suite with the cache and its stored traces on instead (.ci/run does,
-for the end-to-end files)."""
+between tests so one test's graphs and recompile counts never leak into another.
+Each test gets a new, empty compile cache directory, so `optimize()` runs as it
+does for a user by default (through stored traces, traces.py) and no test reads
+what another stored; tests of Dynamo's own dispatch set `cache_dir=None`."""
 
 from __future__ import annotations
 
@@ -15,7 +14,8 @@ import torch._dynamo
 
 from graphopt.models import Decoder, DecoderConfig
 
-os.environ["GRAPHOPT_CACHE_DIR"] = os.environ.get("GRAPHOPT_TEST_CACHE_DIR", "")
+# Configs built while collecting (module level) get no cache; each test gets its own below.
+os.environ["GRAPHOPT_CACHE_DIR"] = ""
 
 
 def pytest_collection_modifyitems(config, items):
@@ -32,6 +32,11 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache_dir(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path_factory.mktemp("graphopt-cache")))
 
 
 @pytest.fixture

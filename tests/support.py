@@ -10,8 +10,8 @@ from graphopt.models import DecoderConfig
 
 
 def unexpected_fallbacks(report) -> dict[str, int]:
-    """A report's fallbacks but the compile cache's own (a trace it could not store):
-    with GRAPHOPT_TEST_CACHE_DIR set those are expected, and they never change a result."""
+    """A report's fallbacks but the compile cache's own (a trace it could not store
+    for a later process): they never change a result."""
     return {reason: n for reason, n in report.fallbacks.items() if not reason.startswith("cache_dir:")}
 
 

@@ -147,7 +147,8 @@ def test_an_empty_batch_never_replays(decoder, level):
 
 def test_dynamo_giving_up_is_counted():
     model = Guarded().eval()
-    opt = graphopt.optimize(model, graphopt.GraphOptimizationConfig(use_cudagraph=False))
+    # Dynamo's own dispatch: stored traces (cache_dir) count traces against the same limit.
+    opt = graphopt.optimize(model, graphopt.GraphOptimizationConfig(use_cudagraph=False, cache_dir=None))
     name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     x = torch.randn(3, 8)
     with torch.inference_mode(), torch._dynamo.config.patch(**{name: 1}):

@@ -108,7 +108,7 @@ def test_every_capture_size_captures_and_replays_with_eager_outputs(name: str) -
     build, kind = MODELS[name]
     torch.manual_seed(0)
     model = build().eval()
-    opt = graphopt.optimize(model, CONFIG)
+    opt = graphopt.optimize(model, CONFIG.replace(cache_dir=graphopt.config.default_cache_dir()))
     report = opt.report()
 
     with torch.inference_mode():

@@ -114,7 +114,7 @@ class Backend:
         device = _device_type(example_inputs)
         level = self._level(device)
         mode = self._cudagraph_mode(level, device)
-        bypass = "level 0 compiles nothing" if level == 0 else self._cache_bypass()
+        bypass = "level 0 compiles nothing" if level == 0 else self.cache_bypass()
         # The key of the whole graph, for its spec; a bypassed cache is logged per compile, below.
         key = self._cache_key(gm, list(example_inputs)) if bypass is None else None
         spec: GraphSpec | str = GraphSpec(key, level) if key is not None else bypass
@@ -326,7 +326,7 @@ class Backend:
                 "passes": report.passes[first_pass:], "memory": report.memory[first_plan:],
                 "fallbacks": dict(Counter(report.fallbacks) - fallbacks_before)}
 
-    def _cache_bypass(self) -> str | None:
+    def cache_bypass(self) -> str | None:
         """Why this Backend's graphs do not go through the compile cache, or None."""
         config = self.config
         if self._cache is None:
@@ -339,7 +339,7 @@ class Backend:
 
     def _cache_key(self, gm: torch.fx.GraphModule, inputs: list) -> str | None:
         """The compile cache's key for `gm`, or None where the cache is not used."""
-        bypass = self._cache_bypass()
+        bypass = self.cache_bypass()
         if bypass is not None:
             if self._cache is not None:
                 self._report.fallback(f"cache_dir: {bypass}, so graphs are compiled without the compile cache")

@@ -184,7 +184,8 @@ class StoredTraces:
             trace.data, trace.identities = data, identities
         except Exception as error:  # noqa: BLE001 - unpicklable state costs later processes a trace, not this one
             self.backend.report().fallback(f"cache_dir: a trace of {_qualified(self.function)} is used in this "
-                                           f"process only ({_why(error)}); a later process traces it again")
+                                           f"process only, a later process traces it again: it cannot be stored "
+                                           f"({_why(error)})")
             return
         kept = [t.stored() for t in self.traces if t.data is not None and t.refused is None]
         self.cache.store(self.key, kept[-_compat.recompile_limit():])
@@ -292,7 +293,7 @@ def _code_digest(code: types.CodeType) -> str:
 
 
 def _qualified(value: Any) -> str:
-    return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__name__)}"
+    return f"{getattr(value, '__module__', None) or '?'}.{getattr(value, '__qualname__', type(value).__name__)}"
 
 
 def _why(error: Exception) -> str:
