@@ -25,6 +25,7 @@ import torch
 import torch.fx
 
 from . import _compat, cache
+from ._compat import cache as compat_cache
 from ._compat import traces as compat_traces
 from .config import GraphOptimizationConfig
 from .lowering import lower_to_bindings
@@ -207,7 +208,7 @@ class Backend:
         stored = self._cache_load(key)
         if stored is not None and stored["direct"] is not None:
             self._restore(stored, record)
-            return _compat.call_like_aot(cache.load_graph(stored["lowered"]), stored["direct"])
+            return compat_cache.call_like_aot(cache.load_graph(stored["lowered"]), stored["direct"])
         inference = not (torch.is_grad_enabled() and any(
             isinstance(x, torch.Tensor) and x.requires_grad for x in real_inputs))
 
@@ -218,7 +219,7 @@ class Backend:
             records = self._optimize(aot_gm, record, real_inputs, kinds)
             lowered = lower_to_bindings(aot_gm)
             graph_inputs = len(aot_gm.graph.find_nodes(op="placeholder"))
-            direct = _compat.aot_wrapper_output_dims(graph_inputs, len(example_inputs), inference)
+            direct = compat_cache.aot_wrapper_output_dims(graph_inputs, len(example_inputs), inference)
             self._cache_store(key, {**records, "direct": direct}, aot_gm, lowered)
             return _compat.boxed(lowered)
 
@@ -279,7 +280,7 @@ class Backend:
         self._report.graphs.append(record)
         start = time.perf_counter()
         if spec.level == 1:
-            compiled = _compat.call_like_aot(cache.load_graph(stored["lowered"]), stored["direct"])
+            compiled = compat_cache.call_like_aot(cache.load_graph(stored["lowered"]), stored["direct"])
         else:
             compiled = compat_traces.load_inductor(spec.inductor)
         self._restore(stored, record)

@@ -31,6 +31,7 @@ import torch
 import torch.fx
 
 from . import _compat
+from ._compat import cache as compat
 from .kernels import IMPLEMENTATIONS
 from .report import Report
 
@@ -147,7 +148,7 @@ def _target_ref(target: Any) -> tuple[str, str]:
     elif target in _implemented_ops():
         ref = ("implementation", _implemented_ops()[target].name())
     else:
-        ref = ("python", _compat.qualified_name(target))
+        ref = ("python", compat.qualified_name(target))
     if _resolve(ref) is not target:
         raise ValueError(f"the graph calls {target!r}, which cannot be found again by the name {ref[1]!r}")
     return ref
@@ -156,7 +157,7 @@ def _target_ref(target: Any) -> tuple[str, str]:
 def _resolve(ref: tuple[str, str]) -> Any:
     kind, name = ref
     if kind == "python":
-        return _compat.object_by_name(name)
+        return compat.object_by_name(name)
     namespace, _, rest = name.partition("::")
     op_name, _, overload = rest.partition(".")
     op = getattr(getattr(getattr(torch.ops, namespace), op_name), overload or "default")
@@ -234,5 +235,5 @@ def _parse(data: bytes, key: str) -> Any:
             raise ValueError(f"written by {name} {header.get(name)}, this is {value}")
     if hashlib.sha256(body).hexdigest() != header.get("sha256"):
         raise ValueError("truncated or corrupt: its checksum does not match")
-    with _compat.real_tensors():
+    with compat.real_tensors():
         return pickle.loads(body)

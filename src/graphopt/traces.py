@@ -23,7 +23,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import re
-import sys
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable

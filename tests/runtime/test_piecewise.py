@@ -15,7 +15,9 @@ def config(**kw):
 
 def masked_step(x, w):
     h = torch.relu(x @ w)
-    h[h > 1.0] = 1.0  # a boolean-mask write: a data-dependent count, refused by a capture
+    # A boolean-mask write of a tensor: a data-dependent count, refused by a capture
+    # (torch >= 2.15 turns `h[mask] = 1.0` into masked_fill_, which a capture can replay).
+    h[(h > 1.0).any(dim=1)] = w[0]
     return torch.tanh(h @ w) + 1
 
 

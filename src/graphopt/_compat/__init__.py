@@ -7,12 +7,11 @@ signature moved, so an upgrade breaks this file and no other.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import re
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch._dynamo
@@ -311,62 +310,6 @@ def on_recompile_limit(listener: Callable[[str], None]) -> None:
     _recompile_limit_listeners.append(weakref.WeakMethod(listener))
 
 
-# --- Inductor's pattern matcher (graphopt.register_replacement and the fusion library) ---
-
-def pattern_matcher_pass(name: str) -> Any:
-    from torch._inductor.pattern_matcher import PatternMatcherPass
-
-    return PatternMatcherPass(pass_name=name) if _accepts(PatternMatcherPass.__init__, "pass_name") \
-        else PatternMatcherPass()
-
-
-def trace_forward(fn: Callable, args: Sequence[Any], decompositions: dict) -> torch.fx.GraphModule:
-    """`fn` as a functional ATen inference graph with `decompositions` applied, the
-    way AOTAutograd hands graphs over (in-place ops functionalized, no-op views and
-    dead code removed): what the pattern matcher compares graphs against."""
-    from torch._dispatch.python import enable_python_dispatcher
-    from torch._inductor.fx_passes.post_grad import remove_noop_ops
-    from torch._subclasses.functional_tensor import dispatch_functionalize
-    from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.fx.traceback import preserve_node_meta
-
-    # AOTAutograd's functionalization (torch.func.functionalize runs above the
-    # composite decompositions and would leave their in-place ops in the pattern).
-    with enable_python_dispatcher(), preserve_node_meta():
-        gm = make_fx(dispatch_functionalize(fn), decompositions, tracing_mode="real")(*args)
-    remove_noop_ops(gm.graph)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    return gm
-
-
-def inductor_decompositions() -> dict:
-    """The decompositions Inductor applies before its post-grad passes run."""
-    from torch._inductor.decomposition import select_decomp_table
-
-    return select_decomp_table()
-
-
-def register_pattern(search_fn: Callable, replace_fn: Callable, example_inputs: Sequence[Any],
-                     trace_fn: Callable, matcher: Any, extra_check: Callable,
-                     scalar_workaround: dict | None, search_fn_pattern: Any) -> list[Any]:
-    """Register one replacement with Inductor's matcher; returns the entries it added
-    (so the caller can wrap their checks, e.g. to count matches)."""
-    from torch._inductor import pattern_matcher
-
-    before = {id(e) for entries in matcher.patterns.values() for e in entries}
-    kwargs: dict[str, Any] = {"extra_check": extra_check, "scalar_workaround": scalar_workaround or {},
-                              "search_fn_pattern": search_fn_pattern}
-    if _accepts(pattern_matcher.register_replacement, "skip_duplicates"):
-        kwargs["skip_duplicates"] = True
-    # Patterns are registered lazily, possibly while a compiler traces with its own
-    # fake mode: trace them outside it, as Inductor registers its own patterns.
-    with torch._guards.tracing(None), outside_fake_mode():
-        pattern_matcher.register_replacement(search_fn, replace_fn, list(example_inputs), trace_fn, matcher,
-                                             **kwargs)
-    return [e for entries in matcher.patterns.values() for e in entries if id(e) not in before]
-
-
 def is_fake(tensor: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake as _is_fake
 
@@ -417,108 +360,3 @@ def inplace_overload(op: Any) -> Any:
         return _maybe_get_inplace_op(op)
     except AssertionError:  # several candidate overloads, or an odd schema: no answer
         return None
-
-
-# --- the compile cache (cache.py): graph targets by name ---------------------------------
-
-
-@contextlib.contextmanager
-def real_tensors() -> Iterator[None]:
-    """No fake mode and no tracing context: unpickling a tensor goes through
-    `torch.load`, which makes meta tensors while a tracing context holds a fake
-    mode, as it does inside a backend."""
-    from torch._guards import tracing
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with tracing(None), unset_fake_temporarily():
-        yield
-
-
-def aot_wrapper_output_dims(graph_inputs: int, dynamo_inputs: int, inference: bool) -> list | None:
-    """Called inside an AOTAutograd compiler: None when AOTAutograd's runtime wrapper
-    does more than call the compiled graph and hand back inputs it returns (training,
-    input mutations applied outside the graph, outputs that alias views of inputs or
-    intermediates, subclasses, RNG, effect tokens, autocast, a grad-mode change,
-    inputs it adds); else, for each output, the dims the wrapper marks dynamic for
-    later frames, or {"input": i} for an output that is input i itself (a KV cache
-    a transformers model returns), which the wrapper returns as the input object."""
-    from torch._guards import TracingContext
-
-    context = TracingContext.try_get()
-    meta = getattr(context, "fw_metadata", None)
-    if meta is None or graph_inputs != dynamo_inputs or not inference:
-        return None
-    plain = (int, type(None), *_aot_plain_meta_types())
-    if (meta.traced_tangents or meta.num_mutated_inp_runtime_indices or meta.num_intermediate_bases
-            or meta.tokens or meta.is_rng_op_functionalized
-            or meta.grad_enabled_mutation is not None or torch.is_autocast_enabled("cpu")
-            or torch.is_autocast_enabled("cuda")
-            or any(o.output_type.name not in ("non_alias", "is_input") for o in meta.output_info)
-            or not all(isinstance(m, plain) for m in [*meta.subclass_inp_meta, *meta.subclass_fw_graph_out_meta])):
-        return None
-    return [{"input": o.base_idx} if o.output_type.name == "is_input" else
-            sorted(o.dynamic_dims) if o.dynamic_dims else None for o in meta.output_info]
-
-
-def _aot_plain_meta_types() -> list[type]:
-    from torch._functorch._aot_autograd import schemas
-
-    return [schemas.PlainTensorMeta] if hasattr(schemas, "PlainTensorMeta") else []
-
-
-def call_like_aot(graph: Callable, output_dims: list) -> Callable:
-    """What AOTAutograd's runtime wrapper does for a graph `aot_wrapper_output_dims`
-    accepted: call it, return the inputs it returns as themselves, and mark the
-    dynamic dims of its other outputs for later frames."""
-    from torch._functorch._aot_autograd.runtime_wrappers import mark_dynamo_propagated_dynamic_indices as mark
-
-    marked = [(i, set(dims)) for i, dims in enumerate(output_dims) if isinstance(dims, list) and dims]
-    inputs = [(i, dims["input"]) for i, dims in enumerate(output_dims) if isinstance(dims, dict)]
-
-    def run(*args: Any) -> Any:
-        outputs = graph(*args)
-        if inputs:
-            outputs = list(outputs)
-        for i, base in inputs:
-            outputs[i] = args[base]
-        for i, dims in marked:
-            mark(outputs[i], dims)
-        return outputs
-
-    return run
-
-
-def qualified_name(target: Any) -> str:
-    """A dotted name that `object_by_name` turns back into `target`: FX's name for it
-    or, for one of torch's C bindings that FX names by its public alias (`torch.split`
-    is a Python wrapper, the graph calls `torch._C._VariableFunctions.split`), its
-    binding namespace's."""
-    from torch.fx.node import _get_qualified_name
-
-    name = _get_qualified_name(target)
-    short = getattr(target, "__name__", "")
-    for candidate in (name, *(f"torch._C.{space}.{short}" for space in ("_VariableFunctions", "_nn", "_linalg",
-                                                                       "_special", "_fft", "TensorBase"))):
-        try:
-            if object_by_name(candidate) is target:
-                return candidate
-        except (ImportError, AttributeError):
-            continue
-    return name
-
-
-def object_by_name(name: str) -> Any:
-    """The object a dotted name such as `torch._C._VariableFunctions.narrow` or
-    `operator.getitem` stands for: the longest importable module, then attributes."""
-    import importlib
-
-    parts = name.split(".")
-    for split in range(len(parts), 0, -1):
-        try:
-            value = importlib.import_module(".".join(parts[:split]))
-        except ImportError:
-            continue
-        for attribute in parts[split:]:
-            value = getattr(value, attribute)
-        return value
-    raise ImportError(f"no module found for {name!r}")

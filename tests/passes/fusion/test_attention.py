@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graphopt
 from graphopt import _compat
+from graphopt._compat import patterns
 from graphopt.config import tolerance
 from graphopt.models import Decoder, DecoderConfig
 from graphopt.models.decoder import repeat_kv
@@ -79,7 +80,7 @@ def post_grad_graph(fn, args):
     """`fn` decomposed as Inductor decomposes graphs before its post-grad passes."""
     mode = FakeTensorMode()
     with mode:
-        gm = _compat.trace_forward(fn, [mode.from_tensor(a) for a in args], _compat.inductor_decompositions())
+        gm = patterns.trace_forward(fn, [mode.from_tensor(a) for a in args], patterns.inductor_decompositions())
     gm.meta["graphopt_level"] = 2
     return gm
 

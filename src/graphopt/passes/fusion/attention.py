@@ -12,6 +12,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from ... import _compat
+from ..._compat import patterns
 from ..base import PassResult, value_of
 from ..strides import restrided, same_strides, set_values
 from . import FUSED_ATEN_OPS, gates
@@ -59,7 +60,7 @@ def fuse_attention(gm: torch.fx.GraphModule) -> PassResult:
     matmul is read back to its logical operands, and the stages between walked.
     """
     level = gm.meta.get("graphopt_level", 1)
-    decompositions = _compat.inductor_decompositions() if level == 2 else {}
+    decompositions = patterns.inductor_decompositions() if level == 2 else {}
     mode = _compat.fake_mode_of(gm) or contextlib.nullcontext()  # SDPA is traced on the graph's values
     fused = gated = 0
     for node in list(gm.graph.nodes):  # replaced nodes stay (dead) until the end
@@ -360,7 +361,7 @@ def _trace(found: _Found, decompositions: dict, mode: Any) -> tuple[torch.fx.Gra
         values = [value_of(n) for n in inputs + mask]
         try:
             with mode:
-                traced = _compat.trace_forward(_replacement(found, gqa), values, decompositions)
+                traced = patterns.trace_forward(_replacement(found, gqa), values, decompositions)
         except Exception:  # noqa: BLE001 - what SDPA cannot trace (e.g. without enable_gqa) is not fused
             continue
         if any(n.target in _SDPA_OPS for n in traced.graph.nodes):

@@ -21,6 +21,7 @@ import torch.fx
 from torch.utils._pytree import tree_flatten
 
 from ... import _compat
+from ..._compat import patterns
 from ...config import tolerance
 from ..base import PassResult
 
@@ -28,11 +29,11 @@ from ..base import PassResult
 def fwd_only(fn: Callable, args: Sequence[Any], **_: Any) -> torch.fx.GraphModule:
     """Trace `fn(*args)` into the functional ATen graph graphopt's level-1 passes see
     (composite ops decomposed as AOTAutograd decomposes them, nothing more)."""
-    return _compat.trace_forward(fn, args, {})
+    return patterns.trace_forward(fn, args, {})
 
 
 def _inductor_trace(fn: Callable, args: Sequence[Any], **_: Any) -> torch.fx.GraphModule:
-    return _compat.trace_forward(fn, args, _compat.inductor_decompositions())
+    return patterns.trace_forward(fn, args, patterns.inductor_decompositions())
 
 
 def _always(match: Any) -> bool:
@@ -104,7 +105,7 @@ class PatternSet:
     def _matcher(self, level: int) -> tuple[Any, Counter]:
         with self._lock:
             if level not in self._matchers:
-                matcher, counts = _compat.pattern_matcher_pass(self.name), Counter()
+                matcher, counts = patterns.pattern_matcher_pass(self.name), Counter()
                 for pattern in self.patterns:
                     if level in pattern.levels:
                         _register(pattern, matcher, counts, level)
@@ -158,7 +159,7 @@ def _register(pattern: Pattern, matcher: Any, counts: Counter, level: int) -> No
     # decompositions, since an op Inductor decomposes (gelu, prelu) cannot be put
     # back into its post-grad graph.
     trace = _inductor_trace if pattern.trace_fn is fwd_only and level == 2 else pattern.trace_fn
-    entries = _compat.register_pattern(
+    entries = patterns.register_pattern(
         pattern.search_fn, pattern.replace_fn, pattern.example_inputs, trace, matcher,
         pattern.extra_check, pattern.scalar_workaround, pattern.search_fn_pattern)
     for entry in entries:
