@@ -14,10 +14,8 @@ wrapping the compiled graph, so Dynamo's guards run before every replay.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -29,10 +27,8 @@ from ._compat import cache as compat_cache
 from ._compat import traces as compat_traces
 from .config import GraphOptimizationConfig
 from .lowering import lower_to_bindings
-from .passes.fusion import fused_op_counts
 from .passes.fusion.replacement import USER_PATTERNS
 from .passes.manager import PassManager, check_pass_names
-from .passes.memory_plan import memory_record
 from .report import GraphRecord, Report
 
 # Graphs each Backend may add to Dynamo's per-function recompile limit: batch size 1
@@ -289,43 +285,9 @@ class Backend:
         return self._runner(compiled, spec.signature) if spec.signature else compiled
 
     def _optimize(self, gm: torch.fx.GraphModule, record: GraphRecord, inputs: list, kinds: list[str]) -> dict:
-        """Run the level's passes on the ATen graph `gm`, whose placeholders take
-        `inputs` (real tensors; `kinds` says which are parameters and buffers).
-        Returns the report records it added, for the compile cache."""
-        report = self._report
-        first_pass, first_plan, fallbacks_before = len(report.passes), len(report.memory), Counter(report.fallbacks)
-        record.nodes_before = _count_ops(gm.graph)
-        gm.meta["graphopt_level"] = self.config.graph_opt_level
-        matched = _inputs_match(gm, inputs)
-        if self.config.freeze_parameters and matched:
-            # Constant folding may treat these as constants; mutated buffers it must skip itself.
-            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-            gm.meta["graphopt_frozen_inputs"] = {
-                node.name: value for node, value, kind in zip(placeholders, inputs, kinds)
-                if kind in ("parameter", "buffer") and isinstance(value, torch.Tensor)
-                and not _compat.is_fake(value)}
-        verify_inputs = None
-        if self.config.verify:
-            if matched and not any(isinstance(x, torch.Tensor) and _compat.is_fake(x) for x in inputs):
-                verify_inputs = inputs
-            else:
-                self._report.fallback("verify skipped: the ATen graph's inputs do not match Dynamo's "
-                                      "example inputs (AOTAutograd added or merged inputs, or a piece "
-                                      "of a split graph reads intermediate values)")
-        if self.config.freeze_parameters and not matched:
-            self._report.fallback("freeze_parameters: the ATen graph's inputs do not match Dynamo's "
-                                  "example inputs, so parameters stay live inputs")
-        PassManager(self.config, self._report).run(gm, record.index, verify_inputs)
-        record.nodes_after = _count_ops(gm.graph)
-        memory = memory_record(gm, record.index)  # set by the plan_memory pass
-        if memory is not None:
-            self._report.memory.append(memory)
-        record.fused_ops = fused_op_counts(gm.graph)
+        records = PassManager(self.config, self._report).optimize(gm, record, inputs, kinds)
         self.graph_modules.append(gm)
-        return {"record": {"nodes_before": record.nodes_before, "nodes_after": record.nodes_after,
-                           "fused_ops": dict(record.fused_ops)},
-                "passes": report.passes[first_pass:], "memory": report.memory[first_plan:],
-                "fallbacks": dict(Counter(report.fallbacks) - fallbacks_before)}
+        return records
 
     def cache_bypass(self) -> str | None:
         """Why this Backend's graphs do not go through the compile cache, or None."""
@@ -355,37 +317,13 @@ class Backend:
 
     def _cache_store(self, key: str | None, records: dict, graph: torch.fx.GraphModule,
                      lowered: torch.fx.GraphModule | None = None) -> None:
-        """Store a compile's report records, its final graph (for `graphs()`, where it
-        can be stored) and, at level 1, the lowered graph that runs."""
-        if key is None:
-            return
-        self._report.cache_misses += 1
-        try:
-            runs = cache.dump_graph(lowered) if lowered is not None else None
-        except ValueError as error:
-            self._report.fallback(f"cache_dir: a graph could not be stored ({error}); it is compiled "
-                                  "again in every process")
-            return
-        try:
-            final = cache.dump_graph(graph)
-        except ValueError:
-            final = None  # level 2 runs Inductor's code: only graphs() misses it on a hit
-        self._cache.store(key, {**records, "graph": final, "lowered": runs})
+        if key is not None:
+            self._cache.store_compile(key, records, graph, lowered)
 
     def _restore(self, stored: dict, record: GraphRecord) -> None:
-        """Report a cache hit as its compile was reported: the graph, its passes,
-        memory plan and fallbacks, renumbered as this process's graph `record.index`."""
-        self._report.cache_hits += 1
-        for name, value in stored["record"].items():
-            setattr(record, name, value)
-        record.cache_hit = True
-        self._report.passes.extend(dataclasses.replace(p, graph=record.index) for p in stored["passes"])
-        self._report.memory.extend(dataclasses.replace(m, graph=record.index) for m in stored["memory"])
-        for reason, count in stored["fallbacks"].items():
-            for _ in range(count):
-                self._report.fallback(reason)
-        if stored["graph"] is not None:
-            self.graph_modules.append(cache.load_graph(stored["graph"]))
+        graph = self._cache.restore(stored, record)
+        if graph is not None:
+            self.graph_modules.append(graph)
 
     def _level(self, device: str) -> int:
         """The level that runs on `device`: level 2 needs a C++ compiler on the CPU."""
@@ -446,23 +384,6 @@ def _aot_args(gm: torch.fx.GraphModule, inputs: list) -> list:
     when Dynamo lifts them, as torch >= 2.5 does), then Dynamo's inputs."""
     return [*dict(gm.named_parameters(remove_duplicate=False)).values(),
             *dict(gm.named_buffers(remove_duplicate=False)).values(), *inputs]
-
-
-def _inputs_match(gm: torch.fx.GraphModule, inputs: list) -> bool:
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != len(inputs):
-        return False
-    for node, value in zip(placeholders, inputs):
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) != isinstance(value, torch.Tensor):
-            return False
-        if isinstance(val, torch.Tensor) and (val.dim() != value.dim() or val.dtype != value.dtype):
-            return False
-    return True
-
-
-def _count_ops(graph: torch.fx.Graph) -> int:
-    return sum(1 for n in graph.nodes if n.op == "call_function")
 
 
 def _innermost(runtime: Callable) -> Callable:

@@ -17,6 +17,7 @@ two processes storing one entry at once leave one whole entry, never a broken on
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -33,7 +34,7 @@ import torch.fx
 from . import _compat
 from ._compat import cache as compat
 from .kernels import IMPLEMENTATIONS
-from .report import Report
+from .report import GraphRecord, Report
 
 FORMAT = 1
 
@@ -219,6 +220,40 @@ class CompileCache:
         except OSError as error:
             self.report.fallback(f"cache_dir: could not write {path} ({error}); the next process compiles "
                                  "again. Point cache_dir (or $GRAPHOPT_CACHE_DIR) at a writable directory")
+
+
+    def store_compile(self, key: str, records: dict, graph: torch.fx.GraphModule,
+                      lowered: torch.fx.GraphModule | None = None) -> None:
+        """Store a compile: its report records, its final graph (for `graphs()`, where
+        it can be stored) and, at level 1, the lowered graph that runs. Counted as a miss."""
+        self.report.cache_misses += 1
+        try:
+            runs = dump_graph(lowered) if lowered is not None else None
+        except ValueError as error:
+            self.report.fallback(f"cache_dir: a graph could not be stored ({error}); it is compiled "
+                                 "again in every process")
+            return
+        try:
+            final = dump_graph(graph)
+        except ValueError:
+            final = None  # level 2 runs Inductor's code: only graphs() misses it on a hit
+        self.store(key, {**records, "graph": final, "lowered": runs})
+
+    def restore(self, stored: dict, record: GraphRecord) -> torch.fx.GraphModule | None:
+        """Report a hit as its compile was reported: the graph's record, its passes,
+        memory plan and fallbacks, renumbered as this process's graph `record.index`.
+        Returns the stored final graph, where there is one."""
+        report = self.report
+        report.cache_hits += 1
+        for name, value in stored["record"].items():
+            setattr(record, name, value)
+        record.cache_hit = True
+        report.passes.extend(dataclasses.replace(p, graph=record.index) for p in stored["passes"])
+        report.memory.extend(dataclasses.replace(m, graph=record.index) for m in stored["memory"])
+        for reason, count in stored["fallbacks"].items():
+            for _ in range(count):
+                report.fallback(reason)
+        return load_graph(stored["graph"]) if stored["graph"] is not None else None
 
 
 def _parse(data: bytes, key: str) -> Any:

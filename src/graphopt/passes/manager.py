@@ -22,6 +22,7 @@ import copy
 import itertools
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -31,8 +32,10 @@ from torch.utils._pytree import tree_leaves
 
 from .. import _compat
 from ..config import GraphOptimizationConfig, tolerance
-from ..report import PassRecord, Report
+from ..report import GraphRecord, PassRecord, Report
 from .base import PassResult
+from .fusion import fused_op_counts
+from .memory_plan import memory_record
 
 PassFn = Callable[[torch.fx.GraphModule], PassResult]
 
@@ -119,6 +122,45 @@ class PassManager:
         self.pipeline = [(name, passes[name]) for name in PIPELINES[config.graph_opt_level]
                          if config.pass_enabled(name)]
 
+    def optimize(self, gm: torch.fx.GraphModule, record: GraphRecord, inputs: list, kinds: list[str]) -> dict:
+        """Run the pipeline on the ATen graph `gm` of graph `record`, whose placeholders
+        take `inputs` (real tensors; `kinds` says which are parameters and buffers),
+        with the config's freezing and verification. Fills `record`; returns the
+        report records the compile added, for the compile cache."""
+        config, report = self.config, self.report
+        first_pass, first_plan, fallbacks_before = len(report.passes), len(report.memory), Counter(report.fallbacks)
+        record.nodes_before = _count_ops(gm.graph)
+        gm.meta["graphopt_level"] = config.graph_opt_level
+        matched = _inputs_match(gm, inputs)
+        if config.freeze_parameters and matched:
+            # Constant folding may treat these as constants; mutated buffers it must skip itself.
+            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            gm.meta["graphopt_frozen_inputs"] = {
+                node.name: value for node, value, kind in zip(placeholders, inputs, kinds)
+                if kind in ("parameter", "buffer") and isinstance(value, torch.Tensor)
+                and not _compat.is_fake(value)}
+        verify_inputs = None
+        if config.verify:
+            if matched and not any(isinstance(x, torch.Tensor) and _compat.is_fake(x) for x in inputs):
+                verify_inputs = inputs
+            else:
+                report.fallback("verify skipped: the ATen graph's inputs do not match Dynamo's example "
+                                "inputs (AOTAutograd added or merged inputs, or a piece of a split graph "
+                                "reads intermediate values)")
+        if config.freeze_parameters and not matched:
+            report.fallback("freeze_parameters: the ATen graph's inputs do not match Dynamo's example "
+                            "inputs, so parameters stay live inputs")
+        self.run(gm, record.index, verify_inputs)
+        record.nodes_after = _count_ops(gm.graph)
+        memory = memory_record(gm, record.index)  # set by the plan_memory pass
+        if memory is not None:
+            report.memory.append(memory)
+        record.fused_ops = fused_op_counts(gm.graph)
+        return {"record": {"nodes_before": record.nodes_before, "nodes_after": record.nodes_after,
+                           "fused_ops": dict(record.fused_ops)},
+                "passes": report.passes[first_pass:], "memory": report.memory[first_plan:],
+                "fallbacks": dict(Counter(report.fallbacks) - fallbacks_before)}
+
     def run(self, gm: torch.fx.GraphModule, graph_index: int,
             verify_inputs: Sequence[Any] | None = None) -> torch.fx.GraphModule:
         """Run the pipeline on `gm` in place. Given `verify_inputs` (real tensors in
@@ -192,6 +234,23 @@ class _Run:
                 _check_same(name, self.expected, actual)
             self.expected = actual
         return result.changed
+
+
+def _inputs_match(gm: torch.fx.GraphModule, inputs: list) -> bool:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(inputs):
+        return False
+    for node, value in zip(placeholders, inputs):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) != isinstance(value, torch.Tensor):
+            return False
+        if isinstance(val, torch.Tensor) and (val.dim() != value.dim() or val.dtype != value.dtype):
+            return False
+    return True
+
+
+def _count_ops(graph: torch.fx.Graph) -> int:
+    return sum(1 for n in graph.nodes if n.op == "call_function")
 
 
 def _invalid(graph: torch.fx.Graph) -> str | None:
