@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -215,6 +216,31 @@ def test_broken_or_orphaned_entries_trace_again(decoder, tmp_path):
     assert torch.equal(generate(decoder, PROMPTS, 6, step=step), expected)
     assert step.report().traces_used == 0
     assert any("no longer in the compile cache" in r for r in step.report().fallbacks)
+
+
+def test_a_step_whose_trace_cannot_be_stored_goes_to_dynamo_in_later_processes(decoder, tmp_path, monkeypatch):
+    """As transformers' forwards on torch 2.13 (a guard on a decorator's closure
+    cannot be pickled): the first process runs its trace and records why it could
+    not store it; a later process does not trace for nothing, Dynamo dispatches."""
+    expected = generate(decoder, PROMPTS, 6)
+
+    def cannot_pickle(traced):
+        raise pickle.PicklingError("a guard reads an object pickle cannot name")
+
+    monkeypatch.setattr(traces.compat, "dumps", cannot_pickle)
+    first = start(decoder, tmp_path)
+    assert torch.equal(generate(decoder, PROMPTS, 6, step=first), expected)
+    assert first.report().traces_stored == 0
+    assert any("used in this process only: it cannot be stored (PicklingError: a guard reads" in r
+               for r in first.report().fallbacks)
+
+    monkeypatch.setattr(traces.compat, "trace", lambda *args: pytest.fail("traced again"))
+    second = start(decoder, tmp_path)
+    assert torch.equal(generate(decoder, PROMPTS, 6, step=second), expected)
+    report = second.report()
+    assert (report.traces_used, report.cache_hits, report.cache_misses) == (0, 1, 0)
+    assert any("runs under torch.compile's own dispatch from now on, without stored traces (an earlier "
+               "process could not store its trace: PicklingError" in r for r in report.fallbacks)
 
 
 def test_cache_traces_off_stores_graphs_only(decoder, tmp_path):

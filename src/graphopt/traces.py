@@ -14,8 +14,9 @@ call, against the objects it was traced with, or, in a later process, against
 objects it found under the same names and recognised (`identity()`: a module by
 name, a function by its code). A trace is also refused when a function it inlined
 has changed its source. Steps Dynamo cannot trace as one graph (graph breaks,
-guards on a dict's version), or with module forward hooks, run under
-`torch.compile`'s own dispatch; so do all steps with `cache_traces=False`.
+guards on a dict's version), with module forward hooks, or whose trace an earlier
+process could not store, run under `torch.compile`'s own dispatch; so do all steps
+with `cache_traces=False`.
 """
 
 from __future__ import annotations
@@ -79,7 +80,11 @@ class StoredTraces:
         """The step's result, from a trace that fits the call or from a new one; MISS
         where Dynamo's own dispatch must run the call."""
         if self.traces is None:
-            self.traces = [_Trace(**entry) for entry in (self.cache.load(self.key) or [])]
+            entry = self.cache.load(self.key) or {"traces": [], "unstorable": None}
+            self.traces = [_Trace(**stored) for stored in entry["traces"]]
+            if entry["unstorable"] is not None and self.untraceable is None:
+                # Tracing again would cost more than Dynamo's dispatch and store nothing.
+                self._give_up(f"an earlier process could not store its trace: {entry['unstorable']}")
         if self.module is not None and compat.has_forward_hooks(self.module):
             return MISS
         full = args if self.bound_to is None else (self.bound_to, *args)
@@ -183,11 +188,13 @@ class StoredTraces:
             trace.data, trace.identities = data, identities
         except Exception as error:  # noqa: BLE001 - unpicklable state costs later processes a trace, not this one
             self.backend.report().fallback(f"cache_dir: a trace of {_qualified(self.function)} is used in this "
-                                           f"process only, a later process traces it again: it cannot be stored "
-                                           f"({_why(error)})")
+                                           f"process only: it cannot be stored ({_why(error)})")
+            if not any(t.data is not None for t in self.traces):
+                # What refuses one trace (a guard, an object) refuses the step's next ones.
+                self.cache.store(self.key, {"traces": [], "unstorable": _why(error)})
             return
         kept = [t.stored() for t in self.traces if t.data is not None and t.refused is None]
-        self.cache.store(self.key, kept[-_compat.recompile_limit():])
+        self.cache.store(self.key, {"traces": kept[-_compat.recompile_limit():], "unstorable": None})
         self.backend.report().traces_stored += 1
 
     def _give_up(self, reason: str) -> None:

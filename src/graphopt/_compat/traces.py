@@ -13,6 +13,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import logging
 import pickle
 import sys
 import types
@@ -97,7 +98,8 @@ def trace(fn: Callable, args: tuple, kwargs: dict, backend: Callable,
             if torch_function_mode_stack_state_mgr.stack:
                 restored.enter_context(torch_function_mode_stack_state_mgr.temp_restore_stack())
             try:
-                check = output.build_guards(traced_fn.__code__, hooks=hooks, save=True, strict_error=True)
+                with _quiet("torch._guards"):  # a guard that cannot be stored is reported in `why`
+                    check = output.build_guards(traced_fn.__code__, hooks=hooks, save=True, strict_error=True)
                 why = None
             except Exception as error:  # noqa: BLE001 - a guard or value pickle refuses: kept, not stored
                 check = output.build_guards(traced_fn.__code__, hooks=hooks, save=False)
@@ -118,6 +120,16 @@ def trace(fn: Callable, args: tuple, kwargs: dict, backend: Callable,
         traced = AOTCompiledFunction(_artifacts=artifacts, _extra_globals=traced_fn.__globals__)
         _read_globals_live(traced, traced_fn.__globals__)
         return traced, why
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    logger = logging.getLogger(logger_name)
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
 
 
 def _device_type(graph: torch.fx.Graph) -> str:
@@ -218,7 +230,8 @@ def loads(data: bytes, module_globals: dict[str, Any]) -> Any:
     from torch._dynamo.aot_compile import AOTCompiledFunction
 
     live_scope = {"guard_globals": module_globals} if live_global_guards() else {}
-    traced = AOTCompiledFunction.deserialize(data, module_globals, **live_scope)
+    with _quiet("torch._guards"):  # a guard that cannot be built reaches the caller as its exception
+        traced = AOTCompiledFunction.deserialize(data, module_globals, **live_scope)
     traced.disable_guard_check()
     _read_globals_live(traced, module_globals)
     return traced
