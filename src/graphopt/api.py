@@ -69,7 +69,10 @@ class _Step:
             result = self.traces(args, kwargs)
             if result is not MISS:
                 return result
-        if self.compiles and not self.backend.compiled_dynamic:
+        if self.compiles and (self.traces is not None or not self.backend.compiled_dynamic):
+            # Marked on every call where a step could have stored traces: Dynamo then
+            # makes the graphs a trace would (a dynamic batch in every graph), so the
+            # compile cache serves both ways of running the step.
             self._mark_dynamic(args, kwargs)
         return self.fn(*args, **kwargs)
 

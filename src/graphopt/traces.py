@@ -189,8 +189,11 @@ class StoredTraces:
         except Exception as error:  # noqa: BLE001 - unpicklable state costs later processes a trace, not this one
             self.backend.report().fallback(f"cache_dir: a trace of {_qualified(self.function)} is used in this "
                                            f"process only: it cannot be stored ({_why(error)})")
-            if not any(t.data is not None for t in self.traces):
-                # What refuses one trace (a guard, an object) refuses the step's next ones.
+            if self.backend.config.graph_opt_level == 1 and not any(t.data is not None for t in self.traces):
+                # What refuses one trace (a guard, an object) refuses the step's next ones,
+                # so later processes let Dynamo dispatch. Not at level 2: Inductor's cache
+                # keys a graph from Dynamo's dispatch apart from the same graph traced here
+                # (their GraphModules' metadata differ), so the switch would compile again.
                 self.cache.store(self.key, {"traces": [], "unstorable": _why(error)})
             return
         kept = [t.stored() for t in self.traces if t.data is not None and t.refused is None]
