@@ -1,8 +1,10 @@
 """Every private torch API graphopt uses, in one place.
 
-torch's compiler internals change between releases (graphopt runs on 2.11 and 2.13).
+torch's compiler internals change between releases (graphopt runs on 2.11 to 2.15).
 Each wrapper here detects what the installed torch offers, with `inspect` where a
-signature moved, so an upgrade breaks this file and no other.
+signature moved, so an upgrade breaks this package and no other. This module holds
+Dynamo, AOTAutograd, Inductor and shapes; `patterns.py` Inductor's pattern matcher,
+`cache.py` what the compile cache needs, `traces.py` Dynamo's stored traces.
 """
 
 from __future__ import annotations
