@@ -88,6 +88,7 @@ class Backend:
         self._report = Report(self.config.graph_opt_level)
         self._report.capture_sizes = list(self.config.cudagraph_capture_sizes)
         self.graph_modules: list[torch.fx.GraphModule] = []
+        self.callers: set[int] = set()  # threads that called a GraphRunner of this Backend
         # Set once Dynamo hands over a graph with a symbolic size: from then on a new
         # batch size finds that graph, so callers can stop marking dynamic dims.
         self.compiled_dynamic = False
@@ -166,7 +167,7 @@ class Backend:
             return wrapper
 
         piecewise.compile_pieces(split_gm, example_inputs, compile_piece)
-        runner = GraphRunner(split_gm, signature, captured, self.config, self._report)
+        runner = GraphRunner(split_gm, signature, captured, self.config, self._report, self.callers)
         return runner, "it is split into pieces around ops a device graph cannot replay"
 
     def _runner(self, compiled: Callable, signature: Any) -> Callable:
@@ -176,7 +177,7 @@ class Backend:
 
         record = self._report.piece(len(self._report.pieces), None)
         captured = CapturedGraph(compiled, record, self.config, self._report, Pool(self.config), signature.static)
-        return GraphRunner(captured, signature, [captured], self.config, self._report)
+        return GraphRunner(captured, signature, [captured], self.config, self._report, self.callers)
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], level: int,
                  key: str | None = None) -> Callable:

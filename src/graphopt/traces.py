@@ -55,6 +55,10 @@ class _Trace:
     bound: bool = False                # its graph is built (Backend.rebuild)
     refused: str | None = None
 
+    @property
+    def ready(self) -> bool:
+        return self.traced is not None and self.check is not None and self.bound
+
     def stored(self) -> dict:
         return {"data": self.data, "identities": self.identities, "inference_mode": self.inference_mode}
 
@@ -79,24 +83,42 @@ class StoredTraces:
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         """The step's result, from a trace that fits the call or from a new one; MISS
         where Dynamo's own dispatch must run the call."""
-        if self.traces is None:
-            entry = self.cache.load(self.key) or {"traces": [], "unstorable": None}
-            self.traces = [_Trace(**stored) for stored in entry["traces"]]
-            if entry["unstorable"] is not None and self.untraceable is None:
-                # Tracing again would cost more than Dynamo's dispatch and store nothing.
-                self._give_up(f"an earlier process could not store its trace: {entry['unstorable']}")
         if self.module is not None and compat.has_forward_hooks(self.module):
             return MISS
         full = args if self.bound_to is None else (self.bound_to, *args)
+        trace = self._fitting(full, kwargs, ready_only=True)
+        if trace is None:
+            # Loading, building and tracing under Dynamo's compile lock: one thread
+            # at a time, as Dynamo compiles frames; a thread that waited finds what
+            # the one before it traced.
+            with compat.compile_lock():
+                if self.traces is None:
+                    self._read()
+                trace = self._fitting(full, kwargs, ready_only=False) or self._trace(args, kwargs)
+            if trace is None:
+                return MISS
+        return compat.run(trace.traced, full, kwargs)
+
+    def _read(self) -> None:
+        entry = self.cache.load(self.key) or {"traces": [], "unstorable": None}
+        self.traces = [_Trace(**stored) for stored in entry["traces"]]
+        if entry["unstorable"] is not None and self.untraceable is None:
+            # Tracing again would cost more than Dynamo's dispatch and store nothing.
+            self._give_up(f"an earlier process could not store its trace: {entry['unstorable']}")
+
+    def _fitting(self, full: tuple, kwargs: dict, ready_only: bool) -> _Trace | None:
+        """The first trace that fits the call; with `ready_only`, among those already
+        loaded, checked and built (what a call may use without the compile lock)."""
         frame: dict | None = None   # the traced function's locals for this call: the same for every trace
-        for trace in self.traces:
-            if trace.refused is not None or (trace.traced is None and not self._load(trace)):
+        for trace in self.traces or ():
+            if trace.refused is not None or (ready_only and not trace.ready):
+                continue
+            if trace.traced is None and not self._load(trace):
                 continue
             frame = frame or compat.frame_locals(trace.traced, full, kwargs)
             if self._fits(trace, frame):
-                return compat.run(trace.traced, full, kwargs)
-        trace = self._trace(args, kwargs)
-        return MISS if trace is None else compat.run(trace.traced, full, kwargs)
+                return trace
+        return None
 
     def _fits(self, trace: _Trace, frame: dict) -> bool:
         """Its guards pass, the objects under its identity guards are the ones it

@@ -142,6 +142,13 @@ def _device_type(graph: torch.fx.Graph) -> str:
     return _collapse_device_types(graph_utils._graph_device_types(graph))
 
 
+def compile_lock() -> Any:
+    """The lock Dynamo holds while it compiles a frame (a reentrant lock)."""
+    from torch._dynamo import convert_frame
+
+    return convert_frame.compile_lock
+
+
 def guard_name(entry: Any) -> str:
     """The guarded value's source as an expression over L (the frame's locals) and G
     (its globals): `G['torch'].cat`, `L['self'].config`."""

@@ -26,17 +26,18 @@ from ..report import Report
 from .capture import CapturedGraph, running_at
 from .dispatch import Dispatcher
 from .signature import BatchMismatch, Signature
+from .static_inputs import StaticInputs
 
 # Distinct values of a graph's non-batch symbols (a prompt length, a counter) that
 # get device graphs; a symbol taking a new value every call would capture forever.
 MAX_OTHER_VALUES = 8
-from .static_inputs import StaticInputs
 
 
 class GraphRunner:
     def __init__(self, graph: Callable, signature: Signature, captured: list[CapturedGraph],
-                 config: GraphOptimizationConfig, report: Report):
-        """`graph` runs the compiled graph; its `captured` parts replay when called under a key."""
+                 config: GraphOptimizationConfig, report: Report, callers: set[int] | None = None):
+        """`graph` runs the compiled graph; its `captured` parts replay when called under a key.
+        `callers`: the threads that have called the step, shared by all its runners."""
         self.graph = graph
         self.signature = signature
         self.captured = captured
@@ -51,7 +52,9 @@ class GraphRunner:
         self.other_values: set[tuple] = set()
         # Graphs of one pool share memory: they must never replay at once, across runners too.
         self.lock = _pool_lock(config.graph_pool)
-        self.callers: set[int] = set()
+        # Outputs are cloned once two threads have called the step: shared by its runners,
+        # because a runner one thread meets first may replay over what it handed another.
+        self.callers = callers if callers is not None else set()
         self.handed_out: list[weakref.ref] = []
         self._warned_held_outputs = False
         self.unsupported: str | None = None  # why the inputs rule out device graphs ("" when they do not)
