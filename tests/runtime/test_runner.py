@@ -233,6 +233,34 @@ def test_four_threads_get_their_own_results(device):
             torch.testing.assert_close(results[batch], eager(*expected[batch]), atol=ATOL, rtol=RTOL)
 
 
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_graph_a_worker_thread_compiles_still_clones_its_outputs(device):
+    """The step was captured in the main thread; a worker's inputs are not inference
+    tensors, so its call compiles a new graph with a runner of its own. A second
+    worker replays that runner: the first worker's outputs must be its own."""
+    eager, model = twin_decoders(device)
+    opt = optimized(model)
+    with torch.inference_mode():
+        opt.capture_all(*step_inputs(device, 4))
+    results, inputs = {}, {}
+
+    def call(batch):
+        ids, positions, _ = step_inputs(device, batch)
+        inputs[batch] = (ids, positions, torch.arange(4 * (batch - 1), 4 * (batch - 1) + batch, device=device))
+        with torch.inference_mode():
+            for _ in range(5):  # warm-up, capture, replays
+                results[batch] = opt(*inputs[batch])
+
+    for batch in (3, 4):  # one after the other: batch 3 replays the size-4 graph batch 4 replays
+        worker = threading.Thread(target=call, args=(batch,))
+        worker.start()
+        worker.join()
+    assert opt.report().recompiles >= 2  # the workers' graph is not the main thread's
+    with torch.inference_mode():
+        for batch in (3, 4):
+            torch.testing.assert_close(results[batch], eager(*inputs[batch]), atol=ATOL, rtol=RTOL)
+
 def write_state(x, state):
     state.add_(x.sum(0))
     return state * 2
