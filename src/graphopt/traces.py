@@ -94,7 +94,7 @@ class StoredTraces:
             with compat.compile_lock():
                 if self.traces is None:
                     self._read()
-                trace = self._fitting(full, kwargs, ready_only=False) or self._trace(args, kwargs)
+                trace = self._fitting(full, kwargs, ready_only=False) or self._trace(args, full, kwargs)
             if trace is None:
                 return MISS
         return compat.run(trace.traced, full, kwargs)
@@ -172,9 +172,10 @@ class StoredTraces:
                 return None
         return objects
 
-    def _trace(self, args: tuple, kwargs: dict) -> _Trace | None:
-        """Trace the call, compile its graph, store the trace; None (logged) where
-        the step cannot be traced as one graph."""
+    def _trace(self, args: tuple, full: tuple, kwargs: dict) -> _Trace | None:
+        """Trace the call (`full`: `args` after the module it is bound to), compile
+        its graph, store the trace; None (logged) where the step cannot be traced as
+        one graph."""
         report = self.backend.report()
         if self.untraceable is None and sum(t.bound for t in self.traces) >= _compat.recompile_limit():
             self._give_up(f"it has {_compat.recompile_limit()} traces, Dynamo's recompile_limit")
@@ -183,7 +184,6 @@ class StoredTraces:
         self.mark(args, kwargs)  # other dims become dynamic as Dynamo's automatic dynamic shapes decide
         objects: dict[str, Any] = {}
         problems: list[str] = []
-        full = args if self.bound_to is None else (self.bound_to, *args)
         try:
             traced, unstorable = compat.trace(self.function, full, kwargs, self.backend.stored,
                                               lambda entry: _keep_guard(entry, objects, problems))
@@ -281,15 +281,20 @@ def _keep_guard(entry: Any, objects: dict[str, Any], problems: list[str]) -> boo
 def _identity_check(objects: dict[str, Any]) -> Callable:
     """One function (L: the frame's locals, G: its globals) -> whether every source
     in `objects` still holds the same object. Like Dynamo's guards, it reads G live."""
-    parts = [f"({_MINTED.sub(lambda m: f'M[{m[1]!r}]', name)}) is O[{i}]" for i, name in enumerate(objects)]
+    parts = [f"({_expression(name)}) is O[{i}]" for i, name in enumerate(objects)]
     scope = {**compat.guard_helpers(), "O": list(objects.values()), "M": _ALIASES}
     return eval("lambda L, G: " + (" and ".join(parts) or "True"), scope)  # noqa: S307 - Dynamo's guard sources
 
 
 def _evaluate(name: str, frame: dict, module_globals: dict) -> Any:
     """The object under a guard's source in this frame."""
-    source = _MINTED.sub(lambda m: f"M[{m[1]!r}]", name)
-    return eval(source, {**compat.guard_helpers(), "L": frame, "G": module_globals, "M": _ALIASES})  # noqa: S307
+    scope = {**compat.guard_helpers(), "L": frame, "G": module_globals, "M": _ALIASES}
+    return eval(_expression(name), scope)  # noqa: S307 - Dynamo's guard sources
+
+
+def _expression(name: str) -> str:
+    """A guard's source as Python over L, G and M (Dynamo's module aliases, `_ALIASES`)."""
+    return _MINTED.sub(lambda m: f"M[{m[1]!r}]", name)
 
 
 def _holds(check: Callable, frame: dict, module_globals: dict) -> bool:
