@@ -5,6 +5,7 @@ entry make it trace again, never run a stale graph."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import pickle
@@ -170,6 +171,62 @@ def test_a_rebound_module_global_is_never_read_stale(tmp_path, monkeypatch):
         assert second.report().traces_used == 0
     else:
         assert second.report().traces_used == 1
+
+
+def returns_tuple(forward):
+    """A decorator as transformers' `can_return_tuple`: its wrapper reads the wrapped
+    function (`func.__name__`), which its module names only through the wrapper."""
+    @functools.wraps(forward)
+    def wrapper(self, x):
+        return forward(self, x) if forward.__name__ == "forward" else (forward(self, x),)
+    return wrapper
+
+
+class Decorated(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    @returns_tuple
+    def forward(self, x):
+        return self.proj(x).relu()
+
+
+def test_a_decorated_forward_is_stored_and_checks_the_function_it_wraps(tmp_path, monkeypatch):
+    """The guard on the wrapped function's name is the trace's own to check: a
+    second start uses the stored trace, and one whose wrapper holds another
+    function is refused, not run stale."""
+    torch.manual_seed(0)
+    model, x = Decorated().eval(), torch.randn(4, 8)
+    cfg = graphopt.GraphOptimizationConfig(cache_dir=str(tmp_path), use_cudagraph=False)
+    torch._dynamo.reset()
+    first = graphopt.optimize(model, cfg)
+    with torch.no_grad():
+        torch.testing.assert_close(first(x), model(x))
+    assert first.report().traces_stored == 1, first.report().fallbacks
+
+    torch._dynamo.reset()
+    second = graphopt.optimize(model, cfg)
+    with torch.no_grad(), monkeypatch.context() as patch:
+        no_tracing(patch)
+        torch.testing.assert_close(second(x.clone()), model(x))
+    assert second.report().traces_used == 1
+
+    def other(self, x):
+        return self.proj(x).sigmoid()
+
+    cell = Decorated.forward.__closure__[0]
+    wrapped, cell.cell_contents = cell.cell_contents, other
+    try:
+        torch._dynamo.reset()
+        third = graphopt.optimize(model, cfg)
+        with torch.no_grad():
+            [out] = third(x.clone())
+            torch.testing.assert_close(out, model.proj(x).sigmoid())
+    finally:
+        cell.cell_contents = wrapped
+    assert third.report().traces_used == 0
+    assert any("L['forward'] is not the object it was traced with" in r for r in third.report().fallbacks)
 
 
 def test_forward_hooks_keep_running(decoder, tmp_path):

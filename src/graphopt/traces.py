@@ -12,7 +12,9 @@ A trace keeps every guard Dynamo can store. The others compare object identities
 (`torch.cat`, a global function, a closure): a trace checks them itself on every
 call, against the objects it was traced with, or, in a later process, against
 objects it found under the same names and recognised (`identity()`: a module by
-name, a function by its code). A trace is also refused when a function it inlined
+name, a function by its code). So are the guards on constants read through such
+an object (a wrapped function's `__name__`), which Dynamo could store but not
+check in a later process. A trace is also refused when a function it inlined
 has changed its source. Steps Dynamo cannot trace as one graph (graph breaks,
 guards on a dict's version), with module forward hooks, or whose trace an earlier
 process could not store, run under `torch.compile`'s own dispatch; so do all steps
@@ -47,10 +49,10 @@ class _Trace:
     """One trace of the step."""
 
     data: bytes | None                 # serialized, None where a later process could not use it
-    identities: dict[str, str]         # identity guard's source -> identity() of what it found
+    identities: dict[str, str]         # taken-over guard's source -> _recognised() of what it found
     inference_mode: bool               # traced in it: its guards are built in it too
     traced: Any = field(default=None, repr=False)
-    objects: dict[str, Any] | None = field(default=None, repr=False)  # identity guard's source -> the object
+    objects: dict[str, Any] | None = field(default=None, repr=False)  # taken-over guard's source -> the object
     check: Callable | None = field(default=None, repr=False)          # L -> whether the identities hold
     bound: bool = False                # its graph is built (Backend.rebuild)
     refused: str | None = None
@@ -146,7 +148,7 @@ class StoredTraces:
     def _load(self, trace: _Trace) -> bool:
         try:
             with torch.inference_mode(trace.inference_mode):
-                traced = compat.loads(trace.data, self.globals)
+                traced = compat.loads(trace.data, self.function)
         except Exception as error:  # noqa: BLE001 - an entry this torch cannot load is traced again
             self._refuse(trace, _why(error))
             return False
@@ -158,17 +160,17 @@ class StoredTraces:
         return True
 
     def _found(self, trace: _Trace, frame: dict) -> dict[str, Any] | None:
-        """The objects under a loaded trace's identity guards in this process, when
-        each is what was traced (`identity()`); else the trace is refused."""
+        """The objects under a loaded trace's taken-over guards in this process, when
+        each is what was traced (`_recognised()`); else the trace is refused."""
         objects = {}
         for name, expected in trace.identities.items():
             try:
                 objects[name] = _evaluate(name, frame, self.globals)
             except Exception:  # noqa: BLE001 - a source that no longer evaluates names nothing
                 objects[name] = None
-            if identity(objects[name]) != expected:
+            if _recognised(objects[name]) != expected:
                 self._refuse(trace, f"{name} is not the object it was traced with "
-                                    f"({identity(objects[name]) or 'not found'}, was {expected})")
+                                    f"({_recognised(objects[name]) or 'not found'}, was {expected})")
                 return None
         return objects
 
@@ -186,7 +188,7 @@ class StoredTraces:
         problems: list[str] = []
         try:
             traced, unstorable = compat.trace(self.function, full, kwargs, self.backend.stored,
-                                              lambda entry: _keep_guard(entry, objects, problems))
+                                              lambda entries: _keep_guards(entries, objects, problems))
         except Exception as error:  # noqa: BLE001 - a graph break, an unsupported construct: Dynamo runs it
             self._give_up(_why(error))
             return None
@@ -199,14 +201,14 @@ class StoredTraces:
         return trace
 
     def _store(self, trace: _Trace, unstorable: str | None) -> None:
-        identities = {name: identity(value) for name, value in trace.objects.items()}
+        identities = {name: _recognised(value) for name, value in trace.objects.items()}
         unnamed = [name for name, found in identities.items() if found is None]
         try:
             if unstorable or unnamed:
                 raise compat.NotSerializable(unstorable or f"{unnamed[0]} is an object a later process cannot "
                                              "recognise")
             data = compat.dumps(trace.traced)
-            compat.loads(data, self.globals)  # what does not load here would not load in a later process
+            compat.loads(data, self.function)  # what does not load here would not load in a later process
             trace.data, trace.identities = data, identities
         except Exception as error:  # noqa: BLE001 - unpicklable state costs later processes a trace, not this one
             self.backend.report().fallback(f"cache_dir: a trace of {_qualified(self.function)} is used in this "
@@ -231,6 +233,21 @@ class StoredTraces:
         trace.refused = reason
         self.backend.report().fallback(f"cache_dir: a stored trace of {_qualified(self.function)} is not used "
                                        f"({reason}); the step is traced again")
+
+
+def _recognised(value: Any) -> str | None:
+    """identity(), or for a plain constant (a string, a number, a tuple of them) its repr."""
+    return identity(value) or (_constant_identity(value) if _constant(value) else None)
+
+
+def _constant(value: Any) -> bool:
+    if isinstance(value, tuple):
+        return all(_constant(item) for item in value)
+    return value is None or isinstance(value, (bool, int, float, str, bytes))
+
+
+def _constant_identity(value: Any) -> str:
+    return f"constant {type(value).__name__} {value!r}"
 
 
 def identity(value: Any) -> str | None:
@@ -260,11 +277,25 @@ def identity(value: Any) -> str | None:
     return None
 
 
+def _keep_guards(entries: list, objects: dict[str, Any], problems: list[str]) -> list[bool]:
+    """Which guards Dynamo keeps. graphopt takes over the identity guards, and the
+    guards on constants read through an object it took over (a decorator's wrapped
+    function's `__name__` or defaults: Dynamo cannot store that function, so could
+    not check them in a later process); their sources and values go to `objects`.
+    Guards Dynamo cannot store (a dict's version), or could not check in a later
+    process (`problems`), keep the trace from being stored, not from running here."""
+    keep = [_keep_guard(entry, objects, problems) for entry in entries]
+    taken = tuple(objects)
+    for i, entry in enumerate(entries):
+        name = compat.guard_name(entry)
+        if keep[i] and entry.has_value and _constant(entry.value) and name.startswith(
+                tuple(f"{source}{after}" for source in taken for after in ".[")):
+            objects[name] = entry.value
+            keep[i] = False
+    return keep
+
+
 def _keep_guard(entry: Any, objects: dict[str, Any], problems: list[str]) -> bool:
-    """Take over the identity guards (their sources and objects go to `objects`);
-    Dynamo keeps the rest. Those it cannot store (a dict's version), or could not
-    check in a later process (`problems`), keep the trace from being stored, not
-    from running here."""
     name = compat.guard_name(entry)
     unstorable = compat.guard_type(entry) & compat.unstorable_guard_types()
     if not unstorable or unstorable - IDENTITY_GUARDS or not entry.has_value:
@@ -280,9 +311,17 @@ def _keep_guard(entry: Any, objects: dict[str, Any], problems: list[str]) -> boo
 
 def _identity_check(objects: dict[str, Any]) -> Callable:
     """One function (L: the frame's locals, G: its globals) -> whether every source
-    in `objects` still holds the same object. Like Dynamo's guards, it reads G live."""
-    parts = [f"({_expression(name)}) is O[{i}]" for i, name in enumerate(objects)]
-    scope = {**compat.guard_helpers(), "O": list(objects.values()), "M": _ALIASES}
+    in `objects` still holds the same object (a constant: an equal one). Like
+    Dynamo's guards, it reads G live."""
+    parts, values = [], []
+    for i, (name, value) in enumerate(objects.items()):
+        if _constant(value) and identity(value) is None:  # a string or number: equal will do
+            parts.append(f"C({_expression(name)}) == O[{i}]")
+            value = _constant_identity(value)
+        else:
+            parts.append(f"({_expression(name)}) is O[{i}]")
+        values.append(value)
+    scope = {**compat.guard_helpers(), "O": values, "C": _constant_identity, "M": _ALIASES}
     return eval("lambda L, G: " + (" and ".join(parts) or "True"), scope)  # noqa: S307 - Dynamo's guard sources
 
 

@@ -10,6 +10,7 @@ identities) are handed to the caller's filter, which keeps its own record of the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -64,11 +65,11 @@ def traced_function(fn: Callable) -> tuple[Callable, Any] | None:
 
 
 def trace(fn: Callable, args: tuple, kwargs: dict, backend: Callable,
-          keep_guard: Callable[[Any], bool]) -> tuple[Any, str | None]:
+          keep_guards: Callable[[list], list[bool]]) -> tuple[Any, str | None]:
     """Trace `fn(*args, **kwargs)` as one graph, without running it, and compile the
-    graph with `backend` as torch.compile would. `keep_guard(entry)` says which
-    guards the trace keeps (entry: Dynamo's GuardFilterEntry, with `.name`, `.value`,
-    `.guard_type`). Returns (the trace, why it cannot be stored or None): a trace
+    graph with `backend` as torch.compile would. `keep_guards(entries)` says which
+    guards the trace keeps (an entry: Dynamo's GuardFilterEntry, with `.name`,
+    `.value`, `.guard_type`). Returns (the trace, why it cannot be stored or None): a trace
     whose guards cannot be stored still runs in this process, every guard checked.
 
     torch's own `aot_compile_fullgraph`, step by step, for two differences: the
@@ -82,7 +83,7 @@ def trace(fn: Callable, args: tuple, kwargs: dict, backend: Callable,
     from torch._dynamo.utils import dynamo_timed, get_metrics_context
     from torch._dynamo.variables.torch_function import torch_function_mode_stack_state_mgr
 
-    hooks = Hooks(guard_filter_fn=lambda entries: [keep_guard(entry) for entry in entries])
+    hooks = Hooks(guard_filter_fn=keep_guards)
     with get_metrics_context(), dynamo_timed("fullgraph_capture"), torch_function_mode_stack_state_mgr:
         capture = convert_frame.fullgraph_capture(fn, args, kwargs)
         output = capture.graph_capture_output
@@ -230,16 +231,21 @@ def _found_by_name(fn: Callable) -> Any:
         return None
 
 
-def loads(data: bytes, module_globals: dict[str, Any]) -> Any:
-    """A trace from `dumps`, its guards built now (under the caller's grad and
-    inference modes), checked by `guards_pass` rather than on every call. Global
-    guards read `module_globals` live where this torch can (2.15 and later)."""
+def loads(data: bytes, fn: Callable) -> Any:
+    """A trace of `fn` from `dumps`, its guards built now (under the caller's grad
+    and inference modes), checked by `guards_pass` rather than on every call. It
+    reads `fn`'s closure, not the copy stored with it (a decorator's wrapped
+    function, rebuilt from its code, is not the one the guards saw); its global
+    guards read `fn`'s globals live where this torch can (2.15 and later)."""
     from torch._dynamo.aot_compile import AOTCompiledFunction
 
+    module_globals = fn.__globals__
     live_scope = {"guard_globals": module_globals} if live_global_guards() else {}
     with _quiet("torch._guards"):  # a guard that cannot be built reaches the caller as its exception
         traced = AOTCompiledFunction.deserialize(data, module_globals, **live_scope)
     traced.disable_guard_check()
+    artifacts = traced._artifacts
+    artifacts.runtime_env = dataclasses.replace(artifacts.runtime_env, closure=fn.__closure__)
     _read_globals_live(traced, module_globals)
     return traced
 
