@@ -1,3 +1,6 @@
+import os
+import subprocess
+import sys
 from importlib.metadata import entry_points
 
 import pytest
@@ -157,3 +160,30 @@ def test_dynamo_giving_up_is_counted():
             torch.testing.assert_close(opt(x), model(x), atol=ATOL, rtol=RTOL)
     (reason,) = [r for r in opt.report().fallbacks if "Dynamo gave up" in r]
     assert "recompile_limit" in reason
+
+
+ISA_CHECKS = """
+import threading, torch, graphopt
+from torch._inductor import cpu_vec_isa
+def started():
+    return any(t.name == "graphopt-cpu-isa-checks" for t in threading.enumerate())
+graphopt.Backend(graphopt.GraphOptimizationConfig(graph_opt_level=1, cache_dir=None))
+assert not started() and cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 0
+graphopt.Backend(graphopt.GraphOptimizationConfig(graph_opt_level=2, cache_dir=None))
+assert started()
+next(t for t in threading.enumerate() if t.name == "graphopt-cpu-isa-checks").join(300)
+assert cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 1
+assert cpu_vec_isa.pick_vec_isa() in cpu_vec_isa.valid_vec_isa_list()
+print("ok")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the checks are for CPU-only processes")
+def test_a_level_2_backend_starts_inductors_cpu_isa_checks_at_once(tmp_path):
+    """The C++ compiles Inductor's first CPU compile begins with run on a thread
+    from the moment a level-2 Backend exists, beside Dynamo's trace (a fresh
+    process: Inductor keeps their result for the process)."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", ISA_CHECKS], capture_output=True, text=True, timeout=600,
+                          env=env, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -96,6 +96,8 @@ class Backend:
         self._cache = cache.CompileCache(self.config.cache_dir, self._report) if self.config.cache_dir else None
         _compat.allow_recompiles(RECOMPILE_BUDGET)
         _compat.on_recompile_limit(self._gave_up)
+        if self.config.graph_opt_level == 2 and not torch.cuda.is_available():
+            _compat.check_cpu_isas_early()  # README, "Start-up": 4 s off a cold start
 
     def report(self) -> Report:
         return self._report

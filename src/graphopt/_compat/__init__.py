@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+import threading
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -94,6 +95,27 @@ def inductor_option_names() -> frozenset[str]:
     import torch._inductor
 
     return frozenset(torch._inductor.list_options())
+
+
+@functools.cache
+def check_cpu_isas_early() -> threading.Thread:
+    """Start, on a thread, the checks Inductor makes before its first CPU compile of
+    which vector ISAs the C++ compiler builds and this CPU runs: half a dozen small
+    compiles, ~4 s on 2 cores, serial, once per cache dir. Started when a level-2
+    step is made, they overlap Dynamo's trace, AOTAutograd and the passes instead of
+    following them. Inductor reads the results (its `valid_vec_isa_list` cache, its
+    files under their locks) when it gets there; a failure here is its to report."""
+    from torch._inductor import cpu_vec_isa
+
+    def check() -> None:
+        try:
+            cpu_vec_isa.valid_vec_isa_list()
+        except Exception:  # noqa: BLE001, S110 - Inductor checks again when it compiles, and reports
+            pass
+
+    thread = threading.Thread(target=check, name="graphopt-cpu-isa-checks", daemon=True)
+    thread.start()
+    return thread
 
 
 def inductor_available() -> bool:
