@@ -163,7 +163,7 @@ def test_dynamo_giving_up_is_counted():
 
 
 ISA_CHECKS = """
-import threading, torch, graphopt
+import sys, threading, torch, graphopt
 from torch._inductor import cpu_vec_isa
 def started():
     return any(t.name == "graphopt-cpu-isa-checks" for t in threading.enumerate())
@@ -171,7 +171,9 @@ graphopt.Backend(graphopt.GraphOptimizationConfig(graph_opt_level=1, cache_dir=N
 assert not started() and cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 0
 graphopt.Backend(graphopt.GraphOptimizationConfig(graph_opt_level=2, cache_dir=None))
 assert started()
+imported = set(sys.modules)
 next(t for t in threading.enumerate() if t.name == "graphopt-cpu-isa-checks").join(300)
+assert set(sys.modules) == imported, set(sys.modules) - imported  # the thread imports nothing
 assert cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 1
 assert cpu_vec_isa.pick_vec_isa() in cpu_vec_isa.valid_vec_isa_list()
 print("ok")
