@@ -253,3 +253,24 @@ def test_llama_generate_through_each_way_in(way: str, level: int) -> None:
         assert probe.steps[-1].replays == 0 and probe.steps[-1].captures == 0
         assert any("graph_opt_level=2 on CPU" in reason for reason in report().fallbacks), report()
         assert probe.steps[-1].recompiles == probe.steps[1].recompiles, probe.steps
+
+
+def test_llama_second_start_runs_the_stored_trace(monkeypatch) -> None:
+    """A second start (Dynamo reset, a new step over the same forward, the same
+    cache) generates eager's tokens without Dynamo tracing the model: the trace of
+    transformers' decorated forward is stored, on every torch graphopt supports."""
+    eager, model = twins("llama")
+    forward = model.forward
+    config = graphopt.GraphOptimizationConfig(graph_opt_level=1, max_num_seqs=MAX_NUM_SEQS, use_cudagraph=False)
+    ids = prompt(2)
+    expected = generate(eager, ids)
+    model.forward = first = graphopt.optimize(forward, config)
+    assert torch.equal(generate(model, ids), expected)
+    assert first.report().traces_stored >= 1, first.report().fallbacks
+
+    torch._dynamo.reset()
+    model.forward = second = graphopt.optimize(forward, config)
+    monkeypatch.setattr(graphopt.Backend, "compile", lambda *args: pytest.fail("Dynamo traced the step again"))
+    assert torch.equal(generate(model, ids), expected)
+    assert second.report().traces_used == first.report().traces_stored
+    assert not second.report().fallbacks, second.report().fallbacks
