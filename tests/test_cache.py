@@ -9,6 +9,10 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import shutil
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -242,3 +246,77 @@ def test_subgraph_attributes_are_in_the_key_and_never_stored():
     assert cache.describe_graph(relu, [torch.ones(2)]) != cache.describe_graph(tanh, [torch.ones(2)])
     with pytest.raises(ValueError, match="get_attr body reads .*only tensor attributes can be stored"):
         cache.dump_graph(relu)
+
+
+# A user pattern whose extra_check reads a global (ALLOW) and calls a helper (`decide`,
+# its source from argv): two processes may differ in either and nothing else.
+PATTERN_CHILD = textwrap.dedent('''
+    import json, sys, torch, graphopt
+    cache_dir, traces, allow, helper_source = sys.argv[1:]
+    ALLOW = allow == "allow"
+    exec(helper_source)  # def decide(flag): ...
+
+    def silu_search(x):
+        return x * torch.sigmoid(x)
+
+    def silu_replace(x):
+        return torch.nn.functional.silu(x)
+
+    def check(match):
+        return decide(ALLOW)
+
+    graphopt.register_replacement(silu_search, silu_replace, [torch.randn(2, 8)], extra_check=check)
+
+    def step(x):
+        return x * torch.sigmoid(x) + 1
+
+    opt = graphopt.optimize(step, graphopt.GraphOptimizationConfig(
+        cache_dir=cache_dir, use_cudagraph=False, cache_traces=traces == "traces"))
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(opt(x), step(x))
+    report = opt.report()
+    silu = sum(n.target == torch.ops.aten.silu.default for gm in opt.graphs() for n in gm.graph.nodes)
+    print(json.dumps({"hits": report.cache_hits, "misses": report.cache_misses, "silu": silu,
+                      "matches": next(p.counts for p in report.passes if p.name == "user_replacements"),
+                      "traces_used": report.traces_used,
+                      "trace_refused": any("stored trace" in r and "is not used" in r for r in report.fallbacks)}))
+''')
+IDENTITY = "def decide(flag):\n    return flag"
+NEGATION = "def decide(flag):\n    return not flag"
+
+
+def pattern_process(cache_dir: Path, traces: str, allow: str, helper: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", PATTERN_CHILD, str(cache_dir), traces, allow, helper],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module", params=["traces", "graphs only"])
+def allowed_cache(request, tmp_path_factory) -> tuple[str, Path, Path]:
+    """A compile cache a first process filled with the pattern allowed (x * sigmoid(x)
+    became silu), and a copy of it to put back: a stored trace is found under the
+    same cache_dir only (the config is in its key)."""
+    base = tmp_path_factory.mktemp("allowed")
+    first = pattern_process(base / "cache", request.param, "allow", IDENTITY)
+    assert (first["hits"], first["misses"], first["silu"], first["matches"]) == (0, 1, 1, {"silu_search": 1})
+    shutil.copytree(base / "cache", base / "filled")
+    return request.param, base / "cache", base / "filled"
+
+
+@pytest.mark.parametrize("allow, helper", [("allow", IDENTITY), ("veto", IDENTITY), ("allow", NEGATION)],
+                         ids=["same registration", "global value vetoes", "helper code vetoes"])
+def test_a_changed_extra_check_is_a_miss_in_another_process(allowed_cache, allow, helper):
+    """Issue #25: an extra_check that decides otherwise in a later process, by a
+    global it reads or a helper it calls, never loads the graph the first one
+    shaped; the same registration still hits, through stored traces or not."""
+    traces, cache_dir, filled = allowed_cache
+    shutil.rmtree(cache_dir)
+    shutil.copytree(filled, cache_dir)
+    second = pattern_process(cache_dir, traces, allow, helper)
+    if (allow, helper) == ("allow", IDENTITY):
+        assert (second["hits"], second["misses"], second["silu"]) == (1, 0, 1)
+        assert second["traces_used"] == (traces == "traces")
+    else:
+        assert (second["hits"], second["misses"], second["silu"], second["matches"]) == (0, 1, 0, {})
+        assert second["trace_refused"] == (traces == "traces")

@@ -27,7 +27,7 @@ from ._compat import cache as compat_cache
 from ._compat import traces as compat_traces
 from .config import GraphOptimizationConfig
 from .lowering import lower_to_bindings
-from .passes.fusion.replacement import USER_PATTERNS
+from .passes.fusion.replacement import USER_PATTERNS, Unkeyable
 from .passes.manager import PassManager, check_pass_names
 from .report import GraphRecord, Report
 
@@ -45,6 +45,7 @@ class GraphSpec:
     level: int
     signature: Any = None            # with device graphs: the GraphRunner's Signature
     inductor: bytes | None = None    # level 2: Inductor's compiled graph, serialized
+    passes: str | None = None        # Backend._pass_uuid() it was compiled under
 
 
 class NotStorable(Exception):
@@ -117,23 +118,25 @@ class Backend:
         bypass = "level 0 compiles nothing" if level == 0 else self.cache_bypass()
         # The key of the whole graph, for its spec; a bypassed cache is logged per compile, below.
         key = self._cache_key(gm, list(example_inputs)) if bypass is None else None
-        spec: GraphSpec | str = GraphSpec(key, level) if key is not None else bypass
+        spec: GraphSpec | str = GraphSpec(key, level, passes=self._pass_uuid()) if key is not None else bypass
         if mode == "none":
             return self._compile(gm, example_inputs, level, key), spec
         from .runtime import piecewise
         from .runtime.fake_run import fake_run
         from .runtime.runner import GraphRunner
-        from .runtime.signature import signature_of
+        from .runtime.signature import batch_candidates, signature_of
 
         graph_index = len(self._report.pieces)
         try:
-            findings = fake_run(gm, example_inputs, self.config.cudagraph_splitting_ops)
+            findings = fake_run(gm, example_inputs, self.config.cudagraph_splitting_ops,
+                                batch_candidates(gm, self.dynamic_dims, example_inputs), self.config.rowwise_ops)
         except Exception as error:  # noqa: BLE001 - the graph still runs; only device graphs are lost
             self._report.fallback(f"use_cudagraph: graph {graph_index} could not be run on fake tensors to "
                                   f"find its splitting ops and written inputs ({type(error).__name__}: "
                                   f"{error}); it runs without device graphs")
             return self._compile(gm, example_inputs, level, key), spec
-        signature = signature_of(gm, self.dynamic_dims, self.pad_values, findings.written, example_inputs)
+        signature = signature_of(gm, self.dynamic_dims, self.pad_values, findings.written, example_inputs,
+                                 findings.mixing)
         unsafe = findings.splitting_nodes
         if unsafe and mode == "full":
             reasons = "; ".join(sorted(set(unsafe.values())))
@@ -271,7 +274,10 @@ class Backend:
     def rebuild(self, spec: GraphSpec) -> Callable:
         """In a later process: the callable `__call__` returned for the graph of
         `spec`, from the compile cache, reported as a cache hit. Raises NotStorable
-        when the cache no longer has the graph."""
+        when the cache no longer has the graph, or when the passes that made it
+        differ from this Backend's (another extra_check, say)."""
+        if spec.passes is None or spec.passes != self._pass_uuid():
+            raise NotStorable("graphopt's settings or the registered replacements changed since it was stored")
         stored = self._cache_load(spec.key)
         if stored is None or (spec.level == 1 and stored["lowered"] is None):
             raise NotStorable(f"its graph ({spec.key[:12]}) is no longer in the compile cache")
@@ -301,6 +307,10 @@ class Backend:
             return "freeze_parameters folds weight values into the graph"
         if config.verify or config.debug_dump_dir:
             return "verify and debug_dump_dir ask for every pass to run"
+        try:
+            USER_PATTERNS.fingerprint()
+        except Unkeyable as why:
+            return str(why)
         return None
 
     def _cache_key(self, gm: torch.fx.GraphModule, inputs: list) -> str | None:
@@ -358,12 +368,17 @@ class Backend:
     def _pass_uuid(self) -> str:
         """What, besides the graph, decides what the passes make of it: the config
         fields they read and the user's patterns (graphopt and torch's versions are in
-        every cache key). Inductor's FX graph cache keys on it too."""
+        every cache key). Inductor's FX graph cache keys on it too; "" where the
+        patterns cannot be keyed, which Inductor takes as a pass it must not cache."""
         config = self.config
         fields = {"graph_opt_level": config.graph_opt_level, "disabled_passes": sorted(config.disabled_passes),
                   "freeze_parameters": config.freeze_parameters,
                   "inductor_compile_config": config.inductor_compile_config}
-        return cache.cache_key(json.dumps(fields, sort_keys=True), USER_PATTERNS.fingerprint())
+        try:
+            patterns = USER_PATTERNS.fingerprint()
+        except Unkeyable:
+            return ""
+        return cache.cache_key(json.dumps(fields, sort_keys=True), patterns)
 
 
 # One Backend per torch.compile(backend="graphopt", options=...) call: torch hands

@@ -92,6 +92,9 @@ class GraphOptimizationConfig:
     # ATen ops ("aten.index_put_" or "aten.index_put_.default") a graph is split at
     # in piecewise mode, besides the ops no device graph can replay.
     cudagraph_splitting_ops: list[str] = field(default_factory=list)
+    # Custom ops ("mylib::op" or "mylib.op") whose outputs' rows come from the same rows of
+    # their inputs: padding a batch through them is legal (runtime/rows.py).
+    rowwise_ops: list[str] = field(default_factory=list)
     capture_error_mode: str = "thread_local"
     # An opaque pool handle shared by every device graph of this config; never serialised.
     graph_pool: object = None
@@ -123,6 +126,7 @@ class GraphOptimizationConfig:
         _check_int("cudagraph_num_of_warmups", self.cudagraph_num_of_warmups, minimum=0)
         _check_choice("cudagraph_mode", self.cudagraph_mode, CUDAGRAPH_MODES, optional=True)
         self.cudagraph_splitting_ops = _aten_op_names(self.cudagraph_splitting_ops)
+        self.rowwise_ops = _op_names("rowwise_ops", self.rowwise_ops)
         _check_choice("capture_error_mode", self.capture_error_mode, CAPTURE_ERROR_MODES)
         for key in ("reuse_pool_in_same_graph", "clone_input", "clone_output", "freeze_parameters", "cache_traces"):
             _check_bool(key, getattr(self, key))
@@ -158,6 +162,7 @@ class GraphOptimizationConfig:
         data["cudagraph_capture_sizes"] = list(self.cudagraph_capture_sizes or ())
         data["disabled_passes"] = list(self.disabled_passes)
         data["cudagraph_splitting_ops"] = list(self.cudagraph_splitting_ops)
+        data["rowwise_ops"] = list(self.rowwise_ops)
         data["inductor_compile_config"] = dict(self.inductor_compile_config)
         return data
 
@@ -242,6 +247,22 @@ def _aten_op_names(value: object) -> list[str]:
         if packet is None or (len(parts) == 3 and parts[2] not in packet.overloads()):
             raise ValueError(f"{accepted}; {name!r} at index {i} is not an ATen op")
     return list(value)
+
+
+def _op_names(key: str, value: object) -> list[str]:
+    """Op names as "namespace.name" (an overload may follow: "mylib.op.default"); "::" is accepted."""
+    accepted = f'{key} must be a list of op names such as "mylib::my_op" or "mylib.my_op"'
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{accepted}, got {_describe(value)}")
+    names = []
+    for i, name in enumerate(value):
+        if not isinstance(name, str):
+            raise TypeError(f"{accepted}, got {_describe(name)} at index {i}")
+        dotted = name.replace("::", ".")
+        if not 2 <= len(dotted.split(".")) <= 3 or not all(part.isidentifier() for part in dotted.split(".")):
+            raise ValueError(f"{accepted}; {name!r} at index {i} is not one")
+        names.append(dotted)
+    return names
 
 
 def _capture_sizes(value: object) -> list[int]:

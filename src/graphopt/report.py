@@ -109,6 +109,7 @@ class Report:
     captures: list[CaptureRecord] = field(default_factory=list)
     pieces: list[list[PieceRecord]] = field(default_factory=list)   # per runtime graph, its pieces
     pools: dict[int, int] = field(default_factory=dict)              # bytes of each graph pool
+    batches: dict[int, str] = field(default_factory=dict)            # per runtime graph: its batch, and padding
     recaptures: int = 0
     replays: int = 0
     recompiles: int = 0       # graphs Dynamo compiled again after a guard failed
@@ -153,6 +154,7 @@ class Report:
             "capture_sizes": list(self.capture_sizes),
             "captures": [c.to_dict() for c in self.captures],
             "pieces": [[p.to_dict() for p in graph] for graph in self.pieces],
+            "batches": dict(self.batches),
             "pool_bytes": self.pool_bytes,
             "recaptures": self.recaptures,
             "replays": self.replays,
@@ -191,6 +193,7 @@ class Report:
             lines.append(f"  device graphs: {len(self.captures)} captured (sizes {sizes or '-'}), pool "
                          f"{self.pool_bytes / 2**20:.2f} MiB, {self.replays} replays, "
                          f"{self.recaptures} recaptures, {self.recompiles} recompiles")
+            lines.extend(f"    graph {graph}: {how}" for graph, how in self.batches.items())
             for piece in (p for graph in self.pieces for p in graph if len(graph) > 1):
                 how = "captured" if piece.split_reason is None else f"runs between replays: {piece.split_reason}"
                 lines.append(f"    {piece.name}: {how} ({piece.captures} captures, {piece.replays} replays)")

@@ -1,11 +1,14 @@
 """One run of a Dynamo graph on its fake values, before anything is compiled.
 
-It tells the runtime two things no compiled form hides from it:
+It tells the runtime three things no compiled form hides from it:
 - the splitting nodes: nodes that issue an ATen op a device graph cannot replay
   (the rules of `safety.py`) or one the user lists in `cudagraph_splitting_ops`,
   each with the reason and the user's line;
 - which inputs the graph writes in place (a KV cache): those are used in place
-  by the runtime, never copied.
+  by the runtime, never copied;
+- for each group of symbols that may be the batch, whether the graph keeps its
+  rows independent, or the first op that mixes them (`rows.py`): padding is legal
+  only in the first case.
 
 Watching ATen ops on fake tensors costs no real compute and sees what Inductor's
 kernels would hide at run time (they bypass the dispatcher).
@@ -13,6 +16,7 @@ kernels would hide at run time (they bypass the dispatcher).
 
 from __future__ import annotations
 
+import linecache
 import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -23,6 +27,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _compat
+from .rows import BatchRows, Mixes
 from .safety import problem_of
 
 
@@ -30,22 +35,29 @@ from .safety import problem_of
 class GraphFindings:
     splitting_nodes: dict[torch.fx.Node, str]   # node -> why it must run outside a device graph
     written: list[bool]                         # per input: the graph writes it in place
+    mixing: dict[tuple, str | None]             # per candidate batch (its symbols): why its rows mix, or None
 
 
-def fake_run(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], splitting_ops: Iterable[str]) -> GraphFindings:
+def fake_run(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], splitting_ops: Iterable[str],
+             batches: Iterable[tuple] = (), rowwise_ops: Iterable[str] = ()) -> GraphFindings:
     fake_mode, fakes = _compat.backend_fakes(example_inputs)
     if fake_mode is None:
         raise RuntimeError("graphopt's runtime needs the fake mode Dynamo compiles in; "
                            "call the Backend from torch.compile")
-    watcher = _OpWatcher(set(splitting_ops), fakes)
+    rows = [BatchRows(symbols, fakes, set(rowwise_ops)) for symbols in batches]
+    watcher = _OpWatcher(set(splitting_ops), fakes, rows)
     with fake_mode, watcher:
-        _NodeInterpreter(gm, watcher).run(*fakes)
-    return GraphFindings(watcher.found, watcher.written)
+        outputs = _NodeInterpreter(gm, watcher).run(*fakes)
+    for state in rows:
+        if state.why is None:
+            state.why = _mixed_output(state, outputs)
+    return GraphFindings(watcher.found, watcher.written, {state.symbols: state.why for state in rows})
 
 
 class _OpWatcher(TorchDispatchMode):
-    def __init__(self, splitting_ops: set[str], inputs: list[Any]):
+    def __init__(self, splitting_ops: set[str], inputs: list[Any], rows: list[BatchRows]):
         super().__init__()
+        self.rows = rows
         self.splitting_ops = splitting_ops
         self.node: torch.fx.Node | None = None
         self.found: dict[torch.fx.Node, str] = {}
@@ -67,7 +79,17 @@ class _OpWatcher(TorchDispatchMode):
                 reason = _without_location(problem.message)
             if reason is not None:
                 self.found[self.node] = f"{reason} (at {_location(self.node)})"
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        for state in self.rows:
+            if state.why is None:
+                try:
+                    state.step(func, args, kwargs, out)
+                except Mixes as mixes:
+                    state.why = f"{func.overloadpacket} at {_location(self.node, code=True)} {mixes}"
+                except Exception as error:  # noqa: BLE001 - an unproven graph is captured at exact sizes
+                    state.why = (f"the row analysis could not follow {func.overloadpacket} at "
+                                 f"{_location(self.node)} ({type(error).__name__}: {error})")
+        return out
 
 
 class _NodeInterpreter(torch.fx.Interpreter):
@@ -87,8 +109,27 @@ def _without_location(message: str) -> str:
     return re.sub(r", at [^:]*:\d+:", ":", message, count=1).split(" To fix:")[0]
 
 
-def _location(node: torch.fx.Node) -> str:
-    """The user's `file:line` that produced `node`, from Dynamo's stack trace."""
-    trace = node.meta.get("stack_trace") or ""
+def _mixed_output(state: BatchRows, outputs: Any) -> str | None:
+    """Why an output of the graph is not one row per row of the batch, or None."""
+    for i, value in enumerate(outputs if isinstance(outputs, (tuple, list)) else (outputs,)):
+        if not isinstance(value, torch.Tensor):
+            continue
+        rows = state.of(value)
+        if rows is not None and rows.outer != 1:
+            return f"output {i} holds rows of several ranks interleaved"
+        if rows is None and state.written_intermediate(value):
+            return (f"output {i} is a tensor rows of the batch were written into at positions taken "
+                    "from data, so padded rows would write into it too")
+    return None
+
+
+def _location(node: torch.fx.Node | None, code: bool = False) -> str:
+    """The user's `file:line` that produced `node`, from Dynamo's stack trace (with
+    `code`, followed by the line itself)."""
+    trace = (node.meta.get("stack_trace") if node is not None else None) or ""
     found = re.findall(r'File "([^"]+)", line (\d+)', trace)
-    return f"{found[-1][0]}:{found[-1][1]}" if found else "<unknown>"
+    if not found:
+        return "<unknown>"
+    where = f"{found[-1][0]}:{found[-1][1]}"
+    text = linecache.getline(found[-1][0], int(found[-1][1])).strip()
+    return f"{where} (`{text[:80]}`)" if code and text else where

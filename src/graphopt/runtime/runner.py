@@ -43,9 +43,9 @@ class GraphRunner:
         self.captured = captured
         self.config = config
         self.report = report
-        if signature.exact_reason is not None and signature.has_batch:
-            report.fallback(f"use_cudagraph: batches are not padded to capture sizes but captured at "
-                            f"their exact size, because {signature.exact_reason}")
+        # Said once, by the first call that runs at a capture size (inputs a device graph cannot take never do).
+        self.unsaid_exact_reason = signature.exact_reason if signature.has_batch else None
+        report.batches[len(report.pieces) - 1] = _batch_description(signature)
         sizes = config.cudagraph_capture_sizes
         self.dispatcher = Dispatcher(sizes, padding=signature.exact_reason is None)
         self.inputs = StaticInputs(signature, max(sizes), config.clone_input)
@@ -70,10 +70,15 @@ class GraphRunner:
         except BatchMismatch as error:
             self.report.fallback(f"use_cudagraph: {error}; running without a device graph")
             return self.graph(*args)
+        if self.unsaid_exact_reason is not None:
+            self.report.fallback(f"use_cudagraph: batches are not padded to capture sizes but captured at "
+                                 f"their exact size, because {self.unsaid_exact_reason}")
+            self.unsaid_exact_reason = None
         dispatch = self.dispatcher(batch)
         if dispatch.mode == "none":
             if dispatch.reason:
-                self.report.fallback(f"use_cudagraph: {dispatch.reason}")
+                self.report.fallback(f"use_cudagraph: {dispatch.reason} (the batch: "
+                                     f"{self.signature.batch_names}; declare it with dynamic_dims)")
             return self.graph(*args)
         other = self.signature.key_of(args)
         if other not in self.other_values:
@@ -107,6 +112,13 @@ class GraphRunner:
             warnings.warn("an output of the previous replay is still referenced and is about to be "
                           "overwritten by this replay, as with any device graph; pass "
                           "clone_output=True to get fresh tensors from every call", stacklevel=3)
+
+
+def _batch_description(signature: Signature) -> str:
+    if not signature.has_batch:
+        return f"no batch dim (batch size {signature.static_batch})" if signature.static_batch else "no batch dim"
+    how = "padded up to capture sizes" if signature.exact_reason is None else "captured at each batch's exact size"
+    return f"batch = {signature.batch_names or 'a SymInt input'}, {how}"
 
 
 def _unsupported_input(args: tuple) -> str:

@@ -5,12 +5,18 @@ the graph Dynamo traced (its placeholders' sources and symbolic sizes).
     batch:   the symbols of the batch dims, e.g. s0 in input_ids: [s0, 1]
     outputs: which dim of each output is s0 (logits: [s0, 1, vocab] -> dim 0)
 
-Padding a batch up to a capture size is legal only when every place the batch
-symbol appears is a plain batch dim the runtime can pad and slice: a user
-input's dim, a SymInt input equal to it, an output's dim. A static input sized
-by the batch (transformers' StaticCache), an output of size 2*s0 or a SymInt
-output tied to it make the graph run at exact sizes instead; `exact_reason`
-says which.
+Padding a batch up to a capture size is legal only when the graph's rows are
+independent (`rows.py` proves it during the fake run; `mixing` gives, per
+symbol, the op that mixes them) and every place the batch symbol appears is a
+plain batch dim the runtime can pad and slice: a user input's dim, a SymInt
+input equal to it, an output's dim. A static input sized by the batch
+(transformers' StaticCache), an output of size 2*s0, a SymInt output tied to it
+or an op that mixes rows make the graph run at exact sizes instead;
+`exact_reason` says which.
+
+With the default dynamic dims (dim 0 of every user input), a symbol whose rows
+are not independent (a lookup table passed beside the ids) is not taken as the
+batch when another symbol's are.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class Signature:
     exact_reason: str | None = None        # why padding is illegal, or None
     static_batch: int | None = None        # a graph without a batch symbol: its fixed batch size
     key_names: str = ""                    # where the key symbols come from, for messages
+    batch_names: str = ""                  # which inputs' dims are the batch, for messages
 
     @property
     def copied(self) -> list[int]:
@@ -67,15 +74,37 @@ class BatchMismatch(ValueError):
     """A call whose batch-sized inputs have different numbers of rows."""
 
 
+def batch_candidates(gm: torch.fx.GraphModule, dynamic_dims: Mapping[str, int] | None,
+                     example_inputs: Sequence[Any] = ()) -> list[tuple]:
+    """The batches the graph may have, in input order, each as the symbols of its
+    dynamic dims: the declared dims are one batch; with the default dims, the
+    symbols that took the same value when traced (input_ids: s0 and
+    attention_mask: s1, both 3 rows) are one, a lookup table's (10 rows) another."""
+    found: dict[Any, list] = {}
+    for expr, hint in _symbols(_compat.graph_inputs(gm, example_inputs), dynamic_dims):
+        symbols = found.setdefault(None if dynamic_dims is not None else hint, [])
+        if expr not in symbols:
+            symbols.append(expr)
+    return [tuple(symbols) for symbols in found.values()]
+
+
+def _symbols(inputs: list, dynamic_dims: Mapping[str, int] | None) -> list[tuple[Any, int]]:
+    """(symbol, traced value) of each dynamic dim that has a symbol of its own."""
+    return [(expr, _compat.size_hint(size)) for dim, example in _batch_dims(inputs, dynamic_dims)
+            if (expr := _compat.symbol_of(size := example.shape[dim])) is not None and expr.is_Symbol]
+
+
 def signature_of(gm: torch.fx.GraphModule, dynamic_dims: Mapping[str, int] | None,
                  pad_values: Mapping[str, float | int], written: list[bool],
-                 example_inputs: Sequence[Any] = ()) -> Signature:
+                 example_inputs: Sequence[Any] = (), mixing: Mapping[tuple, str | None] | None = None) -> Signature:
     """Read a Dynamo graph's signature. `dynamic_dims` ({argument: dim}, None for
     the default dim 0) picks the batch symbols; `pad_values` gives padded rows'
     values; `written[i]` says the graph writes input i in place (it is then used
-    in place: a "mutated" input); `example_inputs` are the backend's."""
+    in place: a "mutated" input); `example_inputs` are the backend's; `mixing`
+    ({batch's symbols: why or None}, from the fake run) says whose rows are independent."""
     inputs = _compat.graph_inputs(gm, example_inputs)
-    batch = _batch_symbols(inputs, dynamic_dims)
+    mixing = mixing or {}
+    batch = _batch_symbols(inputs, dynamic_dims, mixing)
     kinds = ["mutated" if w and kind == "input" else kind for (kind, _, _), w in zip(inputs, written)]
     pads = [pad_values.get(name, 0) if name else 0 for _, name, _ in inputs]
     batch_dims: list[int | None] = []
@@ -109,11 +138,15 @@ def signature_of(gm: torch.fx.GraphModule, dynamic_dims: Mapping[str, int] | Non
         expr = _compat.symbol_of(value)
         if expr is not None and expr.free_symbols & batch:
             problems.append(f"{where} is a size computed from the batch ({expr})")
+    # The op that mixes rows names the user's line: it comes first.
+    problems[:0] = [why for symbols, why in mixing.items() if batch & set(symbols) and why is not None]
     return Signature(kinds, batch_dims, pads, batch_symints, key_symints, out_dims,
                      exact_reason=problems[0] if problems else None,
                      static_batch=None if batch else _static_batch(inputs, dynamic_dims),
                      key_names=", ".join(sorted({f"from argument {inputs[i][1]!r}" if inputs[i][1] else
-                                                 f"input {i}" for i in key_symints})))
+                                                 f"input {i}" for i in key_symints})),
+                     batch_names=", ".join(f"dim {dim} of {inputs[i][1] or f'input {i}'!r}"
+                                           for i, dim in enumerate(batch_dims) if dim is not None))
 
 
 def _batch_dims(inputs: list, dynamic_dims: Mapping[str, int] | None) -> list[tuple[int, Any]]:
@@ -129,22 +162,18 @@ def _batch_dims(inputs: list, dynamic_dims: Mapping[str, int] | None) -> list[tu
     return found
 
 
-def _batch_symbols(inputs: list, dynamic_dims: Mapping[str, int] | None) -> set:
+def _batch_symbols(inputs: list, dynamic_dims: Mapping[str, int] | None, mixing: Mapping[tuple, str | None]) -> set:
     """The batch symbols: the symbols of the dynamic dims. Dynamo may give each
     input's its own (input_ids: s0, attention_mask: s1). With the default dims, a
-    dim 0 whose traced size differs from the first one's (a cache passed as an
-    argument) is not the batch; declared dims always are."""
-    symbols, first = set(), None
-    for dim, example in _batch_dims(inputs, dynamic_dims):
-        size = example.shape[dim]
-        expr = _compat.symbol_of(size)
-        if expr is None or not expr.is_Symbol:
-            continue
-        hint = _compat.size_hint(size)
-        first = hint if first is None else first
-        if dynamic_dims is not None or hint == first:
-            symbols.add(expr)
-    return symbols
+    dim 0 whose traced size differs from the batch's (a cache or a lookup table
+    passed as an argument) is not the batch, the batch being the first dim 0 whose
+    rows are independent (the first dim 0 when none is); declared dims always are."""
+    found = _symbols(inputs, dynamic_dims)
+    if dynamic_dims is not None or not found:
+        return {expr for expr, _ in found}
+    independent = {expr for symbols, why in mixing.items() if why is None for expr in symbols}
+    anchor = next((hint for expr, hint in found if expr in independent), found[0][1])
+    return {expr for expr, hint in found if hint == anchor}
 
 
 def _static_batch(inputs: list, dynamic_dims: Mapping[str, int] | None) -> int | None:

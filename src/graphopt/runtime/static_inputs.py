@@ -73,7 +73,8 @@ class StaticInputs:
                 size: int | None) -> torch.Tensor:
         """Input i's buffer at `size` rows (None: no rows to pad), one row on broadcast dims."""
         dim = self.signature.batch_dims[i]
-        key = (i, self.largest if outermost else size)
+        # Without rows to pad, a size of another symbol (a table's length) keys the buffer.
+        key = (i, self.largest if outermost else size if size is not None else tuple(value.shape))
         buffer = self.buffers.get(key)
         if buffer is None:
             shape = [1 if d in broadcast else n for d, n in enumerate(value.shape)]

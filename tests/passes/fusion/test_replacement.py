@@ -1,8 +1,13 @@
 """graphopt.register_replacement: the reference's own example (add + rms_norm ->
-add_rms_norm) adapted to CPU ops, vetoes, registration errors, and match counts in
-report()."""
+add_rms_norm) adapted to CPU ops, vetoes, registration errors, match counts in
+report(), and the fingerprint the compile cache keys user patterns by."""
 
+import dataclasses
 import functools
+import sys
+import threading
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,3 +180,109 @@ def test_wrong_number_of_example_inputs_is_an_error():
     with pytest.raises(ValueError, match="takes 3 argument"):
         graphopt.register_replacement(search_fn, replace_fn, [torch.randn(2)])
     assert not USER_PATTERNS.patterns
+
+
+# What an extra_check may read besides the match; the fingerprint must follow each
+# (issue #25: a later process with another veto loaded the graph an earlier one made).
+FLAG = True
+settings = types.ModuleType("graphopt_test_settings")
+settings.FLAG = True
+
+
+def width(match) -> int:
+    return match.kwargs["x1"].meta["val"].shape[-1]
+
+
+def decide(flag: bool) -> bool:
+    return flag
+
+
+def reads_a_global(match):
+    return FLAG
+
+
+def calls_a_helper(match):
+    return decide(True)
+
+
+def has_a_default(match, limit=16):
+    return width(match) <= limit
+
+
+def has_a_keyword_default(match, *, limit=16):
+    return width(match) <= limit
+
+
+def reads_a_module(match):
+    return settings.FLAG
+
+
+def closing_over(check):
+    def closure(match):
+        return check(match)
+
+    return closure
+
+
+def flag_and_width(limit, match):
+    return FLAG and width(match) <= limit
+
+
+@dataclasses.dataclass
+class Limit:
+    """An extra_check as an object: its repr shows its state, never its code."""
+
+    limit: int
+
+    def __call__(self, match):
+        return FLAG and width(match) <= self.limit
+
+    def check(self, match):
+        return FLAG and width(match) <= self.limit
+
+
+def _change(monkeypatch, target, name, value):
+    return lambda: monkeypatch.setattr(target, name, value)
+
+
+MODULE = sys.modules[__name__]
+CHANGES = {
+    "a global's value": (lambda: reads_a_global, (MODULE, "FLAG", False)),
+    "a helper's code": (lambda: calls_a_helper, (MODULE, "decide", lambda flag: not flag)),
+    "a default argument": (lambda: has_a_default, (has_a_default, "__defaults__", (8,))),
+    "a keyword default": (lambda: has_a_keyword_default, (has_a_keyword_default, "__kwdefaults__", {"limit": 8})),
+    "a module's attribute": (lambda: reads_a_module, (settings, "FLAG", False)),
+    "what a captured function reads": (lambda: closing_over(reads_a_global), (MODULE, "FLAG", False)),
+    "what a partial's function reads": (lambda: functools.partial(flag_and_width, 16), (MODULE, "FLAG", False)),
+    "what a bound method reads": (lambda: Limit(16).check, (MODULE, "FLAG", False)),
+    "what a callable object reads": (lambda: Limit(16), (MODULE, "FLAG", False)),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_the_fingerprint_follows_what_an_extra_check_reads(registered, monkeypatch, change):
+    make_check, (target, name, value) = CHANGES[change]
+    registered(search_fn, replace_fn, fake_examples(), extra_check=make_check())
+    before = USER_PATTERNS.fingerprint()
+    assert USER_PATTERNS.fingerprint() == before
+    monkeypatch.setattr(target, name, value)
+    assert USER_PATTERNS.fingerprint() != before
+
+
+def test_an_extra_check_no_key_can_capture_is_applied_but_not_stored(registered):
+    """A lock's only description is its address, which a later process may give
+    another lock: the graphs it shapes are compiled every time, never stored."""
+    lock = threading.Lock()
+
+    def unlocked(match):
+        return not lock.locked()
+
+    registered(search_fn, replace_fn, fake_examples(), extra_check=unlocked)
+    backend = graphopt.Backend(graphopt.GraphOptimizationConfig(graph_opt_level=2))
+    assert backend._pass_uuid() == ""  # Inductor's FX graph cache does not keep them either
+    opt = run_block()
+    report = opt.report()
+    assert next(p for p in report.passes if p.name == "user_replacements").counts == {"search_fn": 2}
+    assert report.cache_misses == 0 and not [p for p in Path(opt.config.cache_dir).rglob("*") if p.is_file()]
+    assert any("the extra_check of register_replacement(search_fn) reads a _thread.lock object" in reason
+               for reason in report.fallbacks)

@@ -1,0 +1,169 @@
+"""Padding only where rows are independent (runtime/rows.py, row_rules.py).
+
+Every model here is a Linear + ReLU followed by one more operation, run through
+`graphopt.optimize` with the default configuration (level 1, device graphs on,
+dim 0 of every tensor input dynamic), capture sizes 1, 2, 4 and 8, over a stream
+of batch sizes of which 3, 5, 6 and 7 would be padded. Every call must give
+eager's numbers; a graph that mixes rows must be captured at each batch's exact
+size with the op and the user's line in the report; a row-wise one must still pad.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import graphopt
+from graphopt.config import tolerance
+from support import unexpected_fallbacks
+
+STREAM = (3, 5, 7, 6, 3, 5, 7, 6, 8, 1)
+CONFIG = graphopt.GraphOptimizationConfig(graph_opt_level=1, max_num_seqs=8, cudagraph_num_of_warmups=1)
+
+
+class Model(torch.nn.Module):
+    def __init__(self, then: Callable):
+        super().__init__()
+        self.a = torch.nn.Linear(6, 6)
+        self.b = torch.nn.Linear(6, 6)
+        self.register_buffer("table", torch.randn(10, 6))
+        self.then = then
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.then(self, torch.relu(self.a(x)))
+
+
+# The issue's table: each of these mixes rows, and padding changed its numbers.
+MIXING = {
+    "h - h.mean(0)": (lambda m, h: h - h.mean(0), "aten.mean"),
+    "softmax(h, dim=0)": (lambda m, h: torch.softmax(h, dim=0), "aten._softmax"),
+    "h.sum()": (lambda m, h: h.sum() * m.b(h), "aten.sum"),
+    "sort(h, dim=0)": (lambda m, h: torch.sort(h, dim=0).values, "aten.sort"),
+    "h.t() @ h": (lambda m, h: h.t() @ h, "aten.mm"),
+    "h.amax(0)": (lambda m, h: h.amax(0), "aten.amax"),
+    "h.flip(0)": (lambda m, h: h.flip(0), "aten.flip"),
+    "h[-1]": (lambda m, h: h[-1], "aten.select"),
+    "layer norm across the batch": (lambda m, h: F.layer_norm(h.t(), (h.shape[0],)).t(), "aten.native_layer_norm"),
+    "h @ h.t()": (lambda m, h: h @ h.t(), "aten.mm"),
+    "h.cumsum(0)": (lambda m, h: h.cumsum(0), "aten.cumsum"),
+    "h[1:]": (lambda m, h: h[1:] * 2, "aten.slice"),
+    "h / batch size": (lambda m, h: h / h.shape[0], "batch size as a number"),
+    "rows indexed by data": (lambda m, h: h[h[:, 0].argsort()], "aten.sort"),
+    "batch norm over the batch": (lambda m, h: F.batch_norm(h, None, None, training=True), "batch_norm"),
+}
+
+# Row-wise: these must keep padding (captures only at capture sizes).
+ROWWISE = {
+    "linear": lambda m, h: m.b(h),
+    "softmax over features": lambda m, h: torch.softmax(h, -1),
+    "layer norm": lambda m, h: F.layer_norm(h, (6,)),
+    "h - h.mean(1)": lambda m, h: h - h.mean(1, keepdim=True),
+    "views": lambda m, h: h.view(h.shape[0], 2, 3).transpose(1, 2).reshape(h.shape[0], 6),
+    "lookup per row": lambda m, h: m.table[(h > 0).long().sum(-1)] + h,
+    "cat along features": lambda m, h: torch.cat([h, h * 2], 1)[:, :6],
+    "arange(b) as a column": lambda m, h: h + torch.arange(h.shape[0])[:, None],
+    "a shared row expanded": lambda m, h: h + m.table[0].expand(h.shape[0], 6),
+    "attention over heads": lambda m, h: F.scaled_dot_product_attention(
+        *[h.view(-1, 1, 2, 3)] * 3).reshape(-1, 6),
+    "rows gathered by arange": lambda m, h: h[torch.arange(h.shape[0]), (h > 0).long().argmax(-1)][:, None] * h,
+}
+
+
+def _run(then: Callable, config=CONFIG) -> tuple[graphopt.Report, float]:
+    torch.manual_seed(0)
+    model = Model(then).eval()
+    opt = graphopt.optimize(model, config)
+    worst = 0.0
+    with torch.inference_mode():
+        for batch in STREAM:
+            x = torch.randn(batch, 6)
+            expected, actual = model(x), opt(x)
+            atol, rtol = tolerance(expected.dtype)
+            torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol,
+                                       msg=lambda m: f"batch {batch}: {m}\n{opt.report()}")
+            worst = max(worst, (actual - expected).abs().max().item())
+    return opt.report(), worst
+
+
+@pytest.mark.parametrize("name", MIXING)
+def test_a_graph_that_mixes_rows_gives_eagers_numbers_at_exact_sizes(name: str) -> None:
+    then, op = MIXING[name]
+    report, _ = _run(then)
+    sizes = {c.size for c in report.captures}
+    assert sizes <= set(STREAM) and sizes & {3, 5, 6, 7}, f"{name}: not captured at exact sizes\n{report}"
+    reasons = [r for r in report.fallbacks if "captured at their exact size" in r]
+    assert len(reasons) == 1 and op in reasons[0] and "test_rows.py:" in reasons[0], report
+
+
+@pytest.mark.parametrize("name", ROWWISE)
+def test_a_rowwise_graph_still_pads(name: str) -> None:
+    report, _ = _run(ROWWISE[name])
+    assert sorted({c.size for c in report.captures}) == [1, 4, 8], report
+    assert not unexpected_fallbacks(report), report
+
+
+def test_a_graph_break_on_a_count_of_rows_gives_eagers_numbers() -> None:
+    """`.item()` splits the step in two graphs: the first counts rows, so it must not pad."""
+
+    def then(m: Model, h: torch.Tensor) -> torch.Tensor:
+        n = int((h > 0).sum().item())
+        return m.b(h) * (1 / (1 + n))
+
+    report, _ = _run(then, CONFIG.replace(cache_dir=None))
+    assert any("aten.sum" in r for r in report.fallbacks), report
+
+
+def test_no_call_pads_a_mixing_graph_not_even_the_first(monkeypatch) -> None:
+    """Warm-ups, captures and replays alike run at the batch's own size."""
+    from graphopt.runtime.static_inputs import StaticInputs
+
+    sizes = []
+    fill = StaticInputs.fill
+    monkeypatch.setattr(StaticInputs, "fill", lambda self, args, batch, size: (
+        sizes.append((batch, size)), fill(self, args, batch, size))[1])
+    _run(MIXING["h - h.mean(0)"][0])
+    assert sizes and all(batch == size for batch, size in sizes), sizes
+
+
+def test_a_custom_op_declared_rowwise_keeps_padding() -> None:
+    @torch.library.custom_op("graphopt_test::scale_rows", mutates_args=())
+    def scale_rows(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @scale_rows.register_fake
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    then = lambda m, h: torch.ops.graphopt_test.scale_rows(h)  # noqa: E731
+    report, _ = _run(then)
+    assert any("graphopt_test.scale_rows" in r and "no rule" in r for r in report.fallbacks), report
+    torch._dynamo.reset()
+    report, _ = _run(then, CONFIG.replace(rowwise_ops=["graphopt_test::scale_rows"]))
+    assert sorted({c.size for c in report.captures}) == [1, 4, 8], report
+
+
+def test_a_table_beside_the_batch_is_not_taken_for_it() -> None:
+    """A lookup table of 10 rows passed beside ids of 3 to 7: the ids are the batch."""
+
+    def step(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return table[ids] * 2
+
+    table = torch.randn(10, 4)
+    opt = graphopt.optimize(step, CONFIG)
+    with torch.inference_mode():
+        for batch in STREAM:
+            ids = torch.randint(0, 10, (batch,))
+            torch.testing.assert_close(opt(table, ids), step(table, ids))
+    report = opt.report()
+    assert sorted({c.size for c in report.captures}) == [1, 4, 8], report
+    assert not unexpected_fallbacks(report), report
+    assert "dim 0 of 'ids'" in str(report), report
+
+
+def test_rowwise_ops_must_name_ops() -> None:
+    with pytest.raises(ValueError, match="rowwise_ops must be a list of op names"):
+        graphopt.GraphOptimizationConfig(rowwise_ops=["not an op"])
+    assert graphopt.GraphOptimizationConfig(rowwise_ops=["mylib::op"]).rowwise_ops == ["mylib.op"]
