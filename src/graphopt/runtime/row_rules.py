@@ -9,14 +9,12 @@ raises `Mixes`. `rows.py` checks what every rule returns against the shapes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-import math
 from typing import Any, Callable
 
 import sympy
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .. import _compat
 from ..kernels.collective import is_collective_op
 
 
@@ -74,13 +72,12 @@ def free(value: Any) -> set:
 
 
 
-
 def is_int(value: Any, n: int) -> bool:
     """`value` is the plain int n (a SymInt is never compared: that would add a guard)."""
     return isinstance(value, int) and value == n
 
 
-def _whole(quotient: Any) -> bool:
+def whole(quotient: Any) -> bool:
     return sympy.fraction(sympy.factor(quotient))[1] == 1
 
 
@@ -260,137 +257,6 @@ def attention(call: Call) -> list:
     dims = {d + rank - t.dim() for t in call.tensors if (d := call.dim(t)) is not None}
     if len(dims) > 1 or dims - {0, 1}:
         raise Mixes("attends across rows of the batch (it is not a leading dim of q, k and v)")
-    return call.follow()
-
-
-@rule("view", "_unsafe_view", "reshape", "_reshape_alias", "view_copy", "squeeze", "unsqueeze",
-      "squeeze_copy", "unsqueeze_copy", "_reshape_copy")
-def reshape(call: Call) -> list:
-    """A view in row-major order keeps rows apart when the batch's blocks stay whole:
-    [s, L, D] -> [s*L, D] (blocks of L), [s, H*Dh] -> [s, H, Dh]; not [2, s] -> [s, 2]."""
-    x, out = call.tensors[0], call.outs[0]
-    rows = call.rows(x)
-    if rows is None:
-        return [None]
-    dims = call.batch_dims(out)
-    if len(dims) != 1:
-        raise Mixes(f"reshapes the batch dim into {len(dims)} dims")
-    d, o, s, expr = rows.dim, dims[0], call.state.symbol, call.state.expr
-    outer = expr(math.prod(x.shape[:d])) * rows.outer
-    inner = expr(x.shape[d]) / (rows.outer * s) * expr(math.prod(x.shape[d + 1:]))
-    outer_out = outer / expr(math.prod(out.shape[:o]))
-    inner_out = inner / expr(math.prod(out.shape[o + 1:]))
-    if not (_whole(outer_out) and _whole(inner_out) and s not in (outer_out * inner_out).free_symbols
-            and sympy.cancel(outer_out * inner_out * s - expr(out.shape[o])) == 0):
-        raise Mixes("reshapes so that rows of the batch interleave with another dim")
-    return [Rows(o, outer_out, rows.iota)]
-
-
-@rule("permute", "permute_copy", "transpose", "transpose_copy", "t", "t_copy")
-def permute(call: Call) -> list:
-    x = call.tensors[0]
-    rows = call.rows(x)
-    n = x.dim()
-    if rows is None or n < 2:
-        return [rows]
-    if call.name.startswith("permute"):
-        order = [d % n for d in call.named["dims"]]
-    else:
-        a, b = (call.named["dim0"] % n, call.named["dim1"] % n) if "dim0" in call.named else (0, 1)
-        order = list(range(n))
-        order[a], order[b] = order[b], order[a]
-    return [Rows(order.index(rows.dim), rows.outer)]
-
-
-@rule("cat")
-def cat(call: Call) -> list:
-    rank = call.outs[0].dim()
-    dims = {call.dim(t) for t in call.named["tensors"] if call.rows(t) is not None}
-    if call.named.get("dim", 0) % rank in dims or len(dims) > 1:
-        raise Mixes("concatenates along the batch dim")
-    return call.follow()
-
-
-@rule("as_strided", "as_strided_")
-def as_strided(call: Call) -> list:
-    """Only the restriding that changes no element's place: same sizes, and the same
-    strides wherever a size is not 1 (Inductor's and ATen's layouts of a fresh result)."""
-    x = call.named["self"]
-    rows = call.rows(x)
-    size, stride = list(call.named["size"]), list(call.named["stride"])
-    expr = call.state.expr
-    same = len(size) == x.dim() and all(expr(a) == expr(b) for a, b in zip(x.shape, size)) \
-        and all(expr(n) == 1 or expr(a) == expr(b) for n, a, b in zip(size, x.stride(), stride)) \
-        and (call.named.get("storage_offset") is None
-             or expr(call.named["storage_offset"]) == expr(x.storage_offset()))
-    if rows is not None and not same:
-        raise Mixes("restrides memory across rows of the batch")
-    return [rows]
-
-
-@rule("slice")
-def slice_(call: Call) -> list:
-    """Rows of a slice along the batch must be all of them: x[:s] is, x[1:] is not. A
-    shared tensor sliced to the batch's length (`table[:s]`) has row r = table[r]."""
-    x = call.named["self"]
-    rows = call.rows(x)
-    dim = call.named.get("dim", 0) % max(x.dim(), 1)
-    if rows is None or rows.dim != dim:
-        return [rows] if rows is not None else call.follow()
-    start, end, step = call.named.get("start"), call.named.get("end"), call.named.get("step", 1)
-    # `x[:]` and `x[:, None]` slice to sys.maxsize, which symbolic reasoning does not compare with s.
-    reaches_end = end is None or isinstance(end, int) and end >= 2**62 or _compat.known_true(end >= x.shape[dim])
-    whole = (start is None or is_int(start, 0)) and is_int(step, 1) and reaches_end
-    if not whole:
-        raise Mixes(f"takes some rows of the batch (dim {dim}), not all of them")
-    return [rows]
-
-
-@rule("split", "split_with_sizes", "unsafe_split", "unsafe_split_with_sizes")
-def split(call: Call) -> list:
-    """Splitting along the batch dim only separates the ranks' blocks of an all-gather."""
-    x = call.named["self"]
-    rows = call.rows(x)
-    dim = call.named.get("dim", 0) % max(x.dim(), 1)
-    if rows is None:
-        return call.follow()
-    if rows.dim != dim:
-        return [rows] * len(call.outs)
-    block = call.state.expr(x.shape[dim]) / rows.outer
-    if rows.outer != 1 and all(sympy.cancel(call.state.expr(t.shape[dim]) - block) == 0 for t in call.outs):
-        return [Rows(dim)] * len(call.outs)
-    raise Mixes(f"splits the batch dim (dim {dim}) into parts")
-
-
-@rule("all_gather_into_tensor", "all_gather_into_tensor_out")
-def all_gather(call: Call) -> list:
-    rows = call.rows(call.tensors[0])
-    if rows is not None and rows.dim != 0:
-        return [rows]
-    return [None if rows is None else Rows(0, call.named["group_size"] * rows.outer)]
-
-
-@rule("repeat")
-def repeat(call: Call) -> list:
-    x = call.tensors[0]
-    d = call.dim(x)
-    if d is None:
-        return call.follow()
-    repeats = call.named["repeats"]
-    e = d + len(repeats) - x.dim()
-    if not is_int(repeats[e], 1):
-        raise Mixes("repeats the batch dim")
-    return [Rows(e)]
-
-
-@rule("constant_pad_nd")
-def pad(call: Call) -> list:
-    x = call.tensors[0]
-    d = call.dim(x)
-    if d is not None:
-        first = 2 * (x.dim() - 1 - d)
-        if not all(is_int(w, 0) for w in call.named["pad"][first:first + 2]):
-            raise Mixes("pads the batch dim")
     return call.follow()
 
 

@@ -12,8 +12,9 @@ below. Each tensor is either
     rows(d)   its dim d has size outer*s*c, and the c entries of row r (in each of
               `outer` blocks: the ranks' rows after an all-gather) depend on row r alone.
 
-An op keeps rows apart only when a rule in `row_rules.py` says so. An op without a
-rule that touches rows, or whose rule finds it mixing them, makes padding illegal:
+An op keeps rows apart only when a rule in `row_rules.py` or `row_views.py` says
+so. An op without a rule that touches rows, or whose rule finds it mixing them,
+makes padding illegal:
 
     h = relu(x @ w.t())      rows(0) -> rows(0)   pointwise; the matmul contracts another dim
     m = h - h.mean(0)        rows(0) -> mixes     a reduction along the batch dim
@@ -36,6 +37,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from .. import _compat
+from . import row_views  # noqa: F401 - registers the rules of views and layout ops
 from .row_rules import METADATA, NO_DATA, PER_ROW_WRITES, RULES, SIZE_ARGUMENTS, Call, Mixes, Rows, free, \
     pointwise_rule, rowwise
 
