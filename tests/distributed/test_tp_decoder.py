@@ -47,6 +47,7 @@ def generate_every_variant(rank: int, world: int) -> dict:
         if level or graphs:
             report = step.report()
             found[(level, graphs)].update(replays=report.replays, fallbacks=list(report.fallbacks),
+                                          captures=sorted({c.size for c in report.captures}),
                                           fused=[dict(g.fused_ops) for g in report.graphs])
         print(f"rank {rank}: level {level}, graphs {graphs}: {time.perf_counter() - start:.1f} s", flush=True)
     return {"expected": expected, "found": found}
@@ -76,6 +77,7 @@ def test_greedy_tokens_equal_the_single_process_model(ranks, level, graphs):
     found = _check_tokens(ranks, (level, graphs))
     if graphs and level < 2:  # level 2 on the CPU runs Inductor's kernels without host graphs
         assert found["replays"] > 0 and not found["fallbacks"]  # replayed, never fell back
+        assert found["captures"] == [2, 4]  # batch 3 padded to 4: rows proven independent (#25)
 
 
 def test_level_1_fuses_every_all_reduce_before_a_norm(ranks):
