@@ -172,14 +172,19 @@ def _batch_symbols(inputs: list, dynamic_dims: Mapping[str, int] | None, mixing:
     if dynamic_dims is not None or not found:
         return {expr for expr, _ in found}
     independent = {expr for symbols, why in mixing.items() if why is None for expr in symbols}
-    anchor = next((hint for expr, hint in found if expr in independent), found[0][1])
+    anchor = next((hint for expr, hint in found if expr in independent), None)
+    if anchor is None:
+        if _static_batch(inputs, dynamic_dims) is not None:
+            return set()  # Dynamo specialised the batch (size 1): a symbol whose rows mix is a table's
+        anchor = found[0][1]
     return {expr for expr, hint in found if hint == anchor}
 
 
 def _static_batch(inputs: list, dynamic_dims: Mapping[str, int] | None) -> int | None:
     """A graph Dynamo specialised to one batch size (size 1 always is): that size."""
     for dim, example in _batch_dims(inputs, dynamic_dims):
-        return int(example.shape[dim])
+        if isinstance(example.shape[dim], int):
+            return example.shape[dim]
     return None
 
 
