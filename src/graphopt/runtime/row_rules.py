@@ -16,6 +16,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from ..kernels.collective import is_collective_op
+from .safety import named_arguments
 
 
 @dataclass(frozen=True)
@@ -36,14 +37,8 @@ class Call:
         self.func, self.outs, self.state = func, outs, state
         name = func.overloadpacket.__name__
         self.name = name[:-1] if name.endswith("_") and not name.endswith("__") else name
-        self.named: dict[str, Any] = {}
-        for i, argument in enumerate(func._schema.arguments):
-            if i < len(args):
-                self.named[argument.name] = args[i]
-            elif argument.name in kwargs:
-                self.named[argument.name] = kwargs[argument.name]
-            elif argument.has_default_value():
-                self.named[argument.name] = argument.default_value
+        self.named = {a.name: a.default_value for a in func._schema.arguments if a.has_default_value()}
+        self.named.update(named_arguments(func, args, kwargs))
         self.tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
 
     def rows(self, t: Any) -> Rows | None:
@@ -69,7 +64,6 @@ def free(value: Any) -> set:
     """The symbols of a SymInt / SymFloat / SymBool (empty for anything else)."""
     expr = getattr(getattr(value, "node", None), "expr", None)
     return getattr(expr, "free_symbols", set())
-
 
 
 def is_int(value: Any, n: int) -> bool:
@@ -114,7 +108,7 @@ def pointwise_rule(func: Any) -> Rule | None:
     if torch.Tag.pointwise in getattr(func, "tags", ()):
         return pointwise
     if is_collective_op(func) and func.overloadpacket.__name__ in ("all_reduce", "all_reduce_", "allreduce_",
-                                                                   "wait_tensor", "broadcast", "broadcast_"):
+                                                                   "broadcast", "broadcast_"):
         return pointwise
     return None
 

@@ -117,7 +117,7 @@ class CaptureGuard(TorchDispatchMode):
                 raise CaptureError(found)
             self.problems.append(found)
         if is_collective_op(func):
-            group = _named_arguments(func, args, kwargs).get("group_name")
+            group = named_arguments(func, args, kwargs).get("group_name")
             if isinstance(group, str) and group not in self.groups:
                 self.groups.append(group)
         return func(*args, **kwargs)
@@ -137,7 +137,7 @@ def problem_of(func: Any, args: tuple, kwargs: dict) -> CaptureProblem | None:
     """The problem an ATen call would cause in a capture, or None. Decided from the
     op and its arguments only (devices included), before the op runs."""
     name = func.overloadpacket.__name__
-    named = _named_arguments(func, args, kwargs)
+    named = named_arguments(func, args, kwargs)
     rule = _RULES.get(name)
     if name == "index" and _has_mask(named.get("indices")):
         rule = _MASK_READ
@@ -157,7 +157,7 @@ def problem_of(func: Any, args: tuple, kwargs: dict) -> CaptureProblem | None:
     return CaptureProblem(op, message, location)
 
 
-def _named_arguments(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+def named_arguments(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     named = dict(zip((a.name for a in func._schema.arguments), args))
     named.update(kwargs)
     return named

@@ -81,29 +81,25 @@ def batch_candidates(gm: torch.fx.GraphModule, dynamic_dims: Mapping[str, int] |
     symbols that took the same value when traced (input_ids: s0 and
     attention_mask: s1, both 3 rows) are one, a lookup table's (10 rows) another."""
     found: dict[Any, list] = {}
-    for expr, hint in _symbols(_compat.graph_inputs(gm, example_inputs), dynamic_dims):
-        symbols = found.setdefault(None if dynamic_dims is not None else hint, [])
+    for dim, example in _batch_dims(_compat.graph_inputs(gm, example_inputs), dynamic_dims):
+        expr = _compat.symbol_of(example.shape[dim])
+        if expr is None or not expr.is_Symbol:
+            continue
+        symbols = found.setdefault(None if dynamic_dims is not None else _compat.size_hint(example.shape[dim]), [])
         if expr not in symbols:
             symbols.append(expr)
     return [tuple(symbols) for symbols in found.values()]
 
 
-def _symbols(inputs: list, dynamic_dims: Mapping[str, int] | None) -> list[tuple[Any, int]]:
-    """(symbol, traced value) of each dynamic dim that has a symbol of its own."""
-    return [(expr, _compat.size_hint(size)) for dim, example in _batch_dims(inputs, dynamic_dims)
-            if (expr := _compat.symbol_of(size := example.shape[dim])) is not None and expr.is_Symbol]
-
-
 def signature_of(gm: torch.fx.GraphModule, dynamic_dims: Mapping[str, int] | None,
                  pad_values: Mapping[str, float | int], written: list[bool],
-                 example_inputs: Sequence[Any] = (), mixing: Mapping[tuple, str | None] | None = None) -> Signature:
+                 example_inputs: Sequence[Any], mixing: Mapping[tuple, str | None]) -> Signature:
     """Read a Dynamo graph's signature. `dynamic_dims` ({argument: dim}, None for
     the default dim 0) picks the batch symbols; `pad_values` gives padded rows'
     values; `written[i]` says the graph writes input i in place (it is then used
     in place: a "mutated" input); `example_inputs` are the backend's; `mixing`
     ({batch's symbols: why or None}, from the fake run) says whose rows are independent."""
     inputs = _compat.graph_inputs(gm, example_inputs)
-    mixing = mixing or {}
     batch = _batch_symbols(inputs, dynamic_dims, mixing)
     kinds = ["mutated" if w and kind == "input" else kind for (kind, _, _), w in zip(inputs, written)]
     pads = [pad_values.get(name, 0) if name else 0 for _, name, _ in inputs]
@@ -163,21 +159,15 @@ def _batch_dims(inputs: list, dynamic_dims: Mapping[str, int] | None) -> list[tu
 
 
 def _batch_symbols(inputs: list, dynamic_dims: Mapping[str, int] | None, mixing: Mapping[tuple, str | None]) -> set:
-    """The batch symbols: the symbols of the dynamic dims. Dynamo may give each
-    input's its own (input_ids: s0, attention_mask: s1). With the default dims, a
-    dim 0 whose traced size differs from the batch's (a cache or a lookup table
-    passed as an argument) is not the batch, the batch being the first dim 0 whose
-    rows are independent (the first dim 0 when none is); declared dims always are."""
-    found = _symbols(inputs, dynamic_dims)
-    if dynamic_dims is not None or not found:
-        return {expr for expr, _ in found}
-    independent = {expr for symbols, why in mixing.items() if why is None for expr in symbols}
-    anchor = next((hint for expr, hint in found if expr in independent), None)
-    if anchor is None:
-        if _static_batch(inputs, dynamic_dims) is not None:
-            return set()  # Dynamo specialised the batch (size 1): a symbol whose rows mix is a table's
-        anchor = found[0][1]
-    return {expr for expr, hint in found if hint == anchor}
+    """The batch symbols, chosen among the candidate batches (`batch_candidates`, the
+    keys of `mixing` in input order): the first whose rows are independent. When none
+    is, the first, unless Dynamo specialised the batch (size 1): a symbol whose rows
+    mix is then a table's. Declared dims are one candidate, always the batch."""
+    batches = list(mixing)
+    chosen = next((symbols for symbols in batches if mixing[symbols] is None), None)
+    if chosen is None and batches and (dynamic_dims is not None or _static_batch(inputs, dynamic_dims) is None):
+        chosen = batches[0]
+    return set(chosen or ())
 
 
 def _static_batch(inputs: list, dynamic_dims: Mapping[str, int] | None) -> int | None:
