@@ -8,11 +8,13 @@ second input, a lookup table of 6 or 10 rows that is not the batch. Row-wise ops
 (elementwise, linears and embeddings, reductions / softmax / cumsum / sort / layer
 norm over the last dim, views that keep the batch dim whole, cat and split along
 dim 1, gathers and table lookups by per-row ids, a reduction of the table along
-its own rows) leave each output row a function of its input row only; mixing ops
+its own rows, entries sorted by a per-row key and put back as a mixture of experts
+does) leave each output row a function of its input row only; mixing ops
 do not (reductions, softmax, cumsum, sort, flip and roll along dim 0, full
 reductions, `x.t() @ x`, `x @ x.t()`, `x[-1]` and `x[0]`, normalisation across
 the batch, rows reordered by an index, a roll of the flattened tensor, and a graph
-break on `.item()` of a count over the batch; `cumsum` along dim 0 and `x[0]` read
+break on `.item()` of a count over the batch, a scan along sorted entries, an
+entry's rank in the sorted order used as a number; `cumsum` along dim 0 and `x[0]` read
 earlier rows only, so padding at the end cannot change them, but they mix). A
 program drawn as mixing has at least one mixing op; the others have none.
 
@@ -113,6 +115,24 @@ def _item_scale(x, linear):
     return (h * (1 / (1 + n)),)
 
 
+def _sorted_entries(x, then):
+    """A mixture of experts' routing: each row's two largest features are its entries'
+    keys; the entries are sorted by key, gathered from their rows (`x[perm // 2]`) and
+    scaled by their own key; `then(y, perm, keys)` puts them back."""
+    keys, perm = torch.sort(x.topk(2, dim=-1).indices.view(-1))
+    return (then(x[perm // 2] * (keys[:, None] + 1), perm, keys),)
+
+
+def _inverse(perm):
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel())
+    return inv
+
+
+def _put_back(y, perm, keys):
+    return y[_inverse(perm)].view(-1, 2, y.shape[1]).sum(1)
+
+
 ROW_WISE: dict[str, Op] = {
     "relu": Op("f", lambda x, k, m: (torch.relu(x),)),
     "tanh": Op("f", lambda x, k, m: (torch.tanh(x),)),
@@ -144,6 +164,9 @@ ROW_WISE: dict[str, Op] = {
                 lambda w, k: torch.nn.Embedding(ID_ROWS, WIDTHS[k % len(WIDTHS)])),
     "table_lookup": Op("ti", lambda t, i, k, m: (t[i % t.shape[0]],), _table_width),
     "table_mean": Op("tf", lambda t, x, k, m: (t.mean(0) + x[:, :1],), _table_width),
+    "sorted_put_back": Op("f", lambda x, k, m: _sorted_entries(x, _put_back)),
+    "sorted_added_back": Op("f", lambda x, k, m: _sorted_entries(
+        x, lambda y, perm, keys: torch.zeros_like(x).index_add_(0, perm // 2, y))),
 }
 
 MIXING: dict[str, Op] = {
@@ -166,6 +189,10 @@ MIXING: dict[str, Op] = {
     "reverse_rows": Op("f", lambda x, k, m: (x[torch.arange(x.shape[0]).flip(0)],), mixes=True),
     "flat_roll": Op("f", lambda x, k, m: (x.reshape(-1).roll(1).view(x.shape),), mixes=True),
     "item_scale": Op("f", lambda x, k, m: _item_scale(x, m), _projected, _linear, mixes=True),
+    "sorted_cumsum": Op("f", lambda x, k, m: _sorted_entries(
+        x, lambda y, perm, keys: _put_back(y.cumsum(0), perm, keys)), mixes=True),
+    "sorted_ranks": Op("f", lambda x, k, m: _sorted_entries(
+        x, lambda y, perm, keys: _put_back(y, perm, keys) * _inverse(perm).view(-1, 2)[:, :1]), mixes=True),
 }
 OPS = {**ROW_WISE, **MIXING}
 KINDS = {"f": "f", "b": "f", "s": "f", "i": "i", "t": "t"}   # operand letter -> pool kind

@@ -36,6 +36,25 @@ class Model(torch.nn.Module):
         return self.then(self, torch.relu(self.a(x)))
 
 
+def _experts(m: Model, h: torch.Tensor, back: Callable) -> torch.Tensor:
+    """A mixture of experts in miniature, as transformers' `grouped_mm` experts run:
+    each row's two best of 6 experts, the entries sorted by expert, each scaled by
+    its expert's row of the table, then put back (`back(x, perm)`) and summed per row."""
+    keys, perm = torch.sort(h.topk(2, dim=-1).indices.view(-1))
+    return back(h[perm // 2] * m.table[keys], perm)
+
+
+def _inverse(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel())
+    return x[inv].view(-1, 2, 6).sum(1)
+
+
+def _positions(perm: torch.Tensor) -> torch.Tensor:
+    """Where each entry went in the sorted order (the inverse permutation), as floats."""
+    return torch.zeros(perm.shape).index_put_([perm], torch.arange(perm.numel()).float())
+
+
 # The issue's table: each of these mixes rows, and padding changed its numbers.
 MIXING = {
     "h - h.mean(0)": (lambda m, h: h - h.mean(0), "aten.mean"),
@@ -51,8 +70,18 @@ MIXING = {
     "h.cumsum(0)": (lambda m, h: h.cumsum(0), "aten.cumsum"),
     "h[1:]": (lambda m, h: h[1:] * 2, "aten.slice"),
     "h / batch size": (lambda m, h: h / h.shape[0], "batch size as a number"),
-    "rows indexed by data": (lambda m, h: h[h[:, 0].argsort()], "aten.sort"),
+    "rows indexed by data": (lambda m, h: h[h[:, 0].argsort()], "in the order of the sort"),
     "batch norm over the batch": (lambda m, h: F.batch_norm(h, None, None, training=True), "batch_norm"),
+    # What a sort moves must come back before it meets anything but row-wise ops.
+    "a scan along sorted rows": (lambda m, h: _experts(m, h, lambda x, p: _inverse(x.cumsum(0), p)),
+                                 "aten.cumsum"),
+    "sorted positions as numbers": (lambda m, h: _experts(m, h, lambda x, p: x[:h.shape[0]] * p[:h.shape[0], None]),
+                                    "aten.slice"),
+    "sorted rows beside unsorted ones": (lambda m, h: _experts(m, h, lambda x, p: x.view(-1, 2, 6).sum(1) + h),
+                                         "aten.view"),
+    "the inverse used as a number": (lambda m, h: _experts(
+        m, h, lambda x, p: _inverse(x, p) * _positions(p).view(-1, 2).sum(1, keepdim=True)), "aten.sum"),
+    "sorted rows returned": (lambda m, h: _experts(m, h, lambda x, p: x), "in the order of the sort"),
 }
 
 # Row-wise: these must keep padding (captures only at capture sizes).
@@ -69,6 +98,9 @@ ROWWISE = {
     "attention over heads": lambda m, h: F.scaled_dot_product_attention(
         *[h.view(-1, 1, 2, 3)] * 3).reshape(-1, 6),
     "rows gathered by arange": lambda m, h: h[torch.arange(h.shape[0]), (h > 0).long().argmax(-1)][:, None] * h,
+    "rows sorted by expert and put back": lambda m, h: _experts(m, h, _inverse),
+    "rows sorted by expert and added back": lambda m, h: _experts(
+        m, h, lambda x, p: torch.zeros_like(h).index_add_(0, p // 2, x)),
 }
 
 
@@ -165,3 +197,52 @@ def test_rowwise_ops_must_name_ops() -> None:
     with pytest.raises(ValueError, match="rowwise_ops must be a list of op names"):
         graphopt.GraphOptimizationConfig(rowwise_ops=["not an op"])
     assert graphopt.GraphOptimizationConfig(rowwise_ops=["mylib::op"]).rowwise_ops == ["mylib.op"]
+
+
+class Experts(torch.nn.Module):
+    """transformers' `grouped_mm` experts: 4 experts, 2 per row, the entries sorted by
+    expert and multiplied in groups whose bounds count the sorted keys (`counted`)."""
+
+    def __init__(self, counted: str):
+        super().__init__()
+        self.router = torch.nn.Linear(8, 4)
+        self.w = torch.nn.Parameter(torch.randn(4, 8, 8))
+        self.counted = counted
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.router(x).softmax(-1).topk(2, dim=-1)
+        if self.counted == "keys without a bound":
+            experts = (x[:, :2].abs() * 2).long().clamp(0, 3)
+        keys, perm = torch.sort(experts.view(-1))
+        counted = experts.view(-1) if self.counted == "unsorted keys" else keys
+        offsets = torch.cumsum(torch.histc(counted.float(), bins=4, min=0, max=3), 0, dtype=torch.int32)
+        # grouped_mm's meta function takes bfloat16 only.
+        y = torch._grouped_mm(x[perm // 2].bfloat16(), self.w.bfloat16(), offs=offsets).float()
+        y = y * weights.view(-1)[perm, None]
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel())
+        return y[inv].view(-1, 2, 8).sum(1)
+
+
+@pytest.mark.parametrize("counted", ["sorted keys", "unsorted keys", "keys without a bound"])
+def test_experts_pad_only_when_grouped_by_their_own_sorted_keys(counted: str) -> None:
+    try:
+        torch._grouped_mm(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(1, 8, 8, dtype=torch.bfloat16),
+                          offs=torch.tensor([2], dtype=torch.int32))
+    except (AttributeError, RuntimeError) as error:
+        pytest.skip(f"this torch has no CPU grouped_mm: {error}")
+    torch.manual_seed(0)
+    model = Experts(counted).eval()
+    opt = graphopt.optimize(model, CONFIG)
+    with torch.inference_mode():
+        for batch in STREAM:
+            x = torch.randn(batch, 8)
+            atol, rtol = tolerance(torch.bfloat16)
+            torch.testing.assert_close(opt(x), model(x), atol=atol, rtol=rtol, msg=lambda m: f"batch {batch}: {m}")
+    report = opt.report()
+    sizes = sorted({c.size for c in report.captures})
+    if counted == "sorted keys":
+        assert sizes == [4, 8] and not unexpected_fallbacks(report), str(report)
+    else:
+        assert set(sizes) & {3, 5, 6, 7}, str(report)
+        assert any("aten.histc" in r and "counts values over every row" in r for r in report.fallbacks), str(report)

@@ -82,6 +82,7 @@ class _OpWatcher(TorchDispatchMode):
         out = func(*args, **kwargs)
         for state in self.rows:
             if state.why is None:
+                state.at = self.node
                 try:
                     state.step(func, args, kwargs, out)
                 except Mixes as mixes:
@@ -117,6 +118,12 @@ def _mixed_output(state: BatchRows, outputs: Any) -> str | None:
         rows = state.of(value)
         if rows is not None and rows.outer != 1:
             return f"output {i} holds rows of several ranks interleaved"
+        order = None if rows is None else rows.order or (rows.index and rows.index.order)
+        if order is not None:
+            return (f"output {i} holds rows of the batch in the order of the sort at "
+                    f"{_location(state.sorted_at.get(order), code=True)}, or positions in that order")
+        if state.groups_of(value) is not None:
+            return f"output {i} holds counts taken over every row of the batch"
         if rows is None and state.written_intermediate(value):
             return (f"output {i} is a tensor rows of the batch were written into at positions taken "
                     "from data, so padded rows would write into it too")

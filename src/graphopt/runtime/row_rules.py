@@ -8,7 +8,7 @@ raises `Mixes`. `rows.py` checks what every rule returns against the shapes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import sympy
@@ -20,10 +20,34 @@ from .safety import named_arguments
 
 
 @dataclass(frozen=True)
+class Index:
+    """Values that are positions along a dim of `per_row` entries per row, each one
+    pointing into its own row: `arange(s)` (per_row 1), a sort's indices. `order` is
+    that dim's order (None: the rows'); positions in a sorted order are only good for
+    indexing tensors in that order, never as numbers."""
+    per_row: Any
+    order: Any = None
+    onto: bool = False      # every position appears once (a permutation)
+    identity: bool = False  # position i holds i (an arange)
+
+
+@dataclass(frozen=True)
 class Rows:
     dim: int
-    outer: Any = 1      # blocks of rows along `dim` (the ranks' rows after an all-gather)
-    iota: bool = False  # each value is its row's index (`arange(s)`): indexing the batch with it is per row
+    outer: Any = 1              # blocks of rows along `dim` (the ranks' rows after an all-gather)
+    index: Index | None = None  # the values are positions (see Index)
+    order: Any = None           # `dim` holds the rows' entries in a sort's order (row-wise values, moved)
+    bound: int | None = None    # the values lie in [0, bound) (indices from topk, argmax, sort)
+    keys: bool = False          # the values are the ascending keys of the sort that made `order`
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Counts (`cumulative`: offsets) of a sort's keys over `bins` groups: they depend on
+    every row, so only a grouped matmul over rows in that sort's `order` may read them."""
+    order: Any
+    bins: int
+    cumulative: bool = False
 
 
 class Mixes(Exception):
@@ -55,9 +79,21 @@ class Call:
         """The dims of `t` whose size carries the batch."""
         return [d for d, size in enumerate(t.shape) if self.state.carries(size)]
 
+    def per_row(self, t: torch.Tensor, rows: Rows) -> Any:
+        """How many entries of each row `t`'s batch dim holds."""
+        return sympy.cancel(self.state.expr(t.shape[rows.dim]) / (rows.outer * self.state.symbol))
+
+    def groups(self, t: Any) -> Groups | None:
+        return self.state.groups_of(t) if isinstance(t, torch.Tensor) else None
+
     def follow(self) -> list[Rows | None]:
         """Each output's rows are at its one dim sized by the batch (None without one)."""
         return [Rows(dims[0]) if len(dims := self.batch_dims(t)) == 1 else None for t in self.outs]
+
+
+def positional(rows: Rows | None) -> bool:
+    """The values are positions in a sort's order: they depend on every row's key."""
+    return rows is not None and rows.index is not None and rows.index.order is not None
 
 
 def free(value: Any) -> set:
@@ -79,8 +115,14 @@ Rule = Callable[[Call], list]
 RULES: dict[str, Rule] = {}
 
 
-def rule(*names: str) -> Callable[[Rule], Rule]:
+def rule(*names: str, keeps_order: bool = False, reads_positions: bool = False,
+         reads_groups: bool = False) -> Callable[[Rule], Rule]:
+    """Register a rule for `names`. Only a rule that says so is given rows in a sort's
+    order (`keeps_order`: it puts the order on its outputs), positions in a sorted order
+    (`reads_positions`: it uses them only to index tensors in that order) or a sort's
+    counts (`reads_groups`); `rows.py` refuses the others such inputs."""
     def register(fn: Rule) -> Rule:
+        fn.keeps_order, fn.reads_positions, fn.reads_groups = keeps_order, reads_positions, reads_groups
         RULES.update(dict.fromkeys(names, fn))
         return fn
     return register
@@ -113,38 +155,50 @@ def pointwise_rule(func: Any) -> Rule | None:
     return None
 
 
-# Ops whose output holds the values of their one input: an iota stays one through them.
+# Ops whose output holds the values of their one input: an index stays one through them.
 SAME_VALUES = {"clone", "contiguous", "detach", "alias", "lift_fresh", "lift_fresh_copy", "_to_copy",
                "_to_dim_order_copy", "expand", "expand_copy"}
 
 
 @rule(*SAME_VALUES, "copy", "fill", "zero", "masked_fill", "where", "resolve_conj", "resolve_neg", "clamp",
-      "wait_tensor", *NO_DATA, "empty", "zeros", "ones", "full", "empty_strided", "scalar_tensor")
+      "wait_tensor", *NO_DATA, "empty", "zeros", "ones", "full", "empty_strided", "scalar_tensor",
+      keeps_order=True, reads_positions=True)
 def pointwise(call: Call) -> list:
     """Broadcasting: each input's dims line up with the output's from the right; a
-    shared input broadcast along the batch (`expand(s, n)`, `zeros(s)`) gives rows alike."""
+    shared input broadcast along the batch (`expand(s, n)`, `zeros(s)`) gives rows alike.
+    Rows in a sort's order combine only with rows in the same order."""
     if not call.outs:
         return []
     out = call.outs[0]
-    found, iota = None, False
+    found, last = None, None
     for t in call.tensors if call.name not in NO_DATA else ():
         rows = call.rows(t)
         if rows is not None:
-            aligned = (rows.dim + out.dim() - t.dim(), rows.outer)
+            aligned = (rows.dim + out.dim() - t.dim(), rows.outer, rows.order)
             if found not in (None, aligned):
-                raise Mixes("combines rows of the batch that broadcasting lines up with different dims")
-            found, iota = aligned, rows.iota
+                raise Mixes("combines rows of the batch that broadcasting lines up with different dims"
+                            if found[2] is aligned[2] else "combines rows in a sorted order with rows in another")
+            found, last = aligned, rows
+            if positional(rows) and call.name not in SAME_VALUES:
+                raise Mixes("uses positions in a sorted order as numbers")
     if found is None:
         return call.follow()
-    return [Rows(*found, iota and call.name in SAME_VALUES)] * len(call.outs)
+    dim, outer, order = found
+    if call.name in SAME_VALUES:
+        return [replace(last, dim=dim)] * len(call.outs)
+    return [Rows(dim, outer, order=order)] * len(call.outs)
 
 
 @rule("arange")
 def arange(call: Call) -> list:
-    """arange(s): row r holds r, an iota (`x[arange(s), j]` reads row r for row r)."""
+    """arange(s*c): entry e holds e, the identity index of a dim of c entries per row
+    (`x[arange(s), j]` reads row r for row r)."""
     start, end, step = call.named.get("start", 0), call.named.get("end"), call.named.get("step", 1)
-    iota = is_int(start, 0) and is_int(step, 1) and call.state.expr(end) == call.state.symbol
-    return [Rows(dims[0], 1, iota) if len(dims := call.batch_dims(t)) == 1 else None for t in call.outs]
+    per_row = sympy.cancel(call.state.expr(end) / call.state.symbol)
+    index = None
+    if is_int(start, 0) and is_int(step, 1) and call.state.symbol not in per_row.free_symbols and whole(per_row):
+        index = Index(per_row, onto=True, identity=True)
+    return [Rows(dims[0], index=index) if len(dims := call.batch_dims(t)) == 1 else None for t in call.outs]
 
 
 def _dims(value: Any, ndim: int) -> set[int]:
@@ -154,15 +208,26 @@ def _dims(value: Any, ndim: int) -> set[int]:
     return {d % max(ndim, 1) for d in (value if isinstance(value, (list, tuple)) else [value])}
 
 
-def _along(what: str, argument: str) -> Rule:
+# Where an op returns indices along its dim: they lie in [0, that dim's size).
+INDEX_OUTPUTS = {"topk": 1, "sort": 1, "argsort": 0, "argmax": 0, "argmin": 0, "max": 1, "min": 1}
+
+
+def along_rule(what: str, argument: str) -> Rule:
+    """An op along `argument`'s dims that must not be the batch's."""
     def along(call: Call) -> list:
         x = call.tensors[0]
         if "other" in call.named:  # max(a, b), min(a, b): elementwise
             return pointwise(call)
         d = call.dim(x)
-        if d is not None and d in _dims(call.named.get(argument), x.dim()):
+        dims = _dims(call.named.get(argument), x.dim())
+        if d is not None and d in dims:
             raise Mixes(f"{what} along the batch dim (dim {d})")
-        return call.follow()
+        result = call.follow()
+        at = INDEX_OUTPUTS.get(call.name)
+        if at is not None and at < len(result) and result[at] is not None and len(dims) == 1 and \
+                isinstance(n := x.shape[next(iter(dims))], int):
+            result[at] = replace(result[at], bound=n)
+        return result
     return along
 
 
@@ -170,8 +235,8 @@ for _names, _what, _argument in [
     (("sum", "mean", "amax", "amin", "prod", "var", "std", "var_mean", "std_mean", "logsumexp", "nansum",
       "all", "any", "count_nonzero", "argmax", "argmin", "max", "min", "aminmax", "median", "nanmedian",
       "mode", "kthvalue", "linalg_vector_norm", "norm"), "reduces", "dim"),
-    (("cumsum", "cumprod", "logcumsumexp", "cummax", "cummin", "_softmax", "_log_softmax", "sort",
-      "argsort", "topk"), "scans, sorts or normalises", "dim"),
+    (("cumprod", "logcumsumexp", "cummax", "cummin", "_softmax", "_log_softmax", "topk"),
+     "scans or normalises", "dim"),
     (("flip",), "reverses the order", "dims"),
     (("roll",), "rolls", "dims"),
     (("unfold",), "slides a window", "dimension"),
@@ -180,7 +245,7 @@ for _names, _what, _argument in [
     (("index_select",), "gathers rows", "dim"),
     (("index_fill",), "fills rows", "dim"),
 ]:
-    rule(*_names)(_along(_what, _argument))
+    rule(*_names)(along_rule(_what, _argument))
 
 
 @rule("tril", "triu")
@@ -252,67 +317,3 @@ def attention(call: Call) -> list:
     if len(dims) > 1 or dims - {0, 1}:
         raise Mixes("attends across rows of the batch (it is not a leading dim of q, k and v)")
     return call.follow()
-
-
-@rule("embedding", "one_hot", "bucketize", "searchsorted")
-def lookup(call: Call) -> list:
-    """A table (or boundaries) indexed by rows of the batch: the table must be shared."""
-    table = call.named.get("weight", call.named.get("boundaries", call.named.get("sorted_sequence")))
-    if call.rows(table) is not None:
-        raise Mixes("looks rows of the batch up by index")
-    return call.follow()
-
-
-@rule("index", "_unsafe_index")
-def index(call: Call) -> list:
-    """x[i, j]: a shared x indexed per row, or rows of x indexed along other dims."""
-    x, indices = call.named["self"], call.named["indices"]
-    d = call.dim(x)
-    if d is not None and d < len(indices) and indices[d] is not None:
-        if not getattr(call.rows(indices[d]), "iota", False):
-            raise Mixes("indexes the batch dim with indices taken from data")
-        rank = max(i.dim() for i in indices if i is not None)  # index tensors broadcast together
-        if len({call.dim(i) + rank - i.dim() for i in indices if call.rows(i) is not None}) > 1:
-            raise Mixes("indexes the batch with rows of the batch that broadcasting lines up differently")
-    return call.follow()
-
-
-@rule("gather", "take_along_dim")
-def gather(call: Call) -> list:
-    x, index_ = call.named["self"], call.named.get("index", call.named.get("indices"))
-    d = call.dim(x)
-    if d is not None and (_dims(call.named.get("dim"), x.dim()) == {d} or call.dim(index_) != d):
-        raise Mixes("gathers along the batch dim")
-    return call.follow()
-
-
-@rule(*PER_ROW_WRITES)
-def write_at(call: Call) -> list:
-    """Writes at positions from data: into a shared tensor (a cache) they are trusted to be
-    per row; into rows of the batch they must stay inside each row."""
-    x = call.named["self"]
-    d = call.dim(x)
-    if d is None:
-        return [None] * len(call.outs)
-    if call.name in ("index_put", "_index_put_impl"):
-        indices = call.named["indices"]
-        if _row_mask(call, indices, d) and call.rows(call.named["values"]) is None:
-            return [Rows(d)] * len(call.outs)  # h[mask] = v with mask[r] choosing row r: per row
-        if (d < len(indices) and indices[d] is not None) or any(call.rows(i) for i in indices if i is not None):
-            raise Mixes("writes across rows of the batch at positions taken from data")
-        values = call.named["values"]
-        if call.dim(values) is not None:  # its rows must land on the rows of x[indices]
-            target = torch.ops.aten.index.Tensor(x, indices)
-            if call.batch_dims(target) != [call.dim(values) + target.dim() - values.dim()]:
-                raise Mixes("writes rows of the batch into other rows")
-    elif _dims(call.named.get("dim"), x.dim()) == {d} or any(
-            call.dim(t) not in (None, d) for t in call.tensors[1:]):
-        raise Mixes("writes along the batch dim at positions taken from data")
-    return [Rows(d)] * len(call.outs)
-
-
-def _row_mask(call: Call, indices: list, d: int) -> bool:
-    """indices[d] is a boolean mask whose first dim is the batch, the only index with rows."""
-    mask = indices[d] if d < len(indices) else None
-    return mask is not None and mask.dtype == torch.bool and call.dim(mask) == 0 and \
-        all(call.rows(i) is None for i in indices if i is not None and i is not mask)

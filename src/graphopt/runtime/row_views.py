@@ -4,6 +4,7 @@ a tensor is reshaped, permuted, sliced, split, concatenated, padded or restrided
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import sympy
 
@@ -12,10 +13,11 @@ from .row_rules import Call, Mixes, Rows, is_int, rule, whole
 
 
 @rule("view", "_unsafe_view", "reshape", "_reshape_alias", "view_copy", "squeeze", "unsqueeze",
-      "squeeze_copy", "unsqueeze_copy", "_reshape_copy")
+      "squeeze_copy", "unsqueeze_copy", "_reshape_copy", keeps_order=True, reads_positions=True)
 def reshape(call: Call) -> list:
     """A view in row-major order keeps rows apart when the batch's blocks stay whole:
-    [s, L, D] -> [s*L, D] (blocks of L), [s, H*Dh] -> [s, H, Dh]; not [2, s] -> [s, 2]."""
+    [s, L, D] -> [s*L, D] (blocks of L), [s, H*Dh] -> [s, H, Dh]; not [2, s] -> [s, 2].
+    Entries in a sort's order keep their places: the batch dim's size stays, leading."""
     x, out = call.tensors[0], call.outs[0]
     rows = call.rows(x)
     if rows is None:
@@ -31,10 +33,14 @@ def reshape(call: Call) -> list:
     if not (whole(outer_out) and whole(inner_out) and s not in (outer_out * inner_out).free_symbols
             and sympy.cancel(outer_out * inner_out * s - expr(out.shape[o])) == 0):
         raise Mixes("reshapes so that rows of the batch interleave with another dim")
-    return [Rows(o, outer_out, rows.iota)]
+    if rows.order is not None and not (expr(math.prod(x.shape[:d])) == 1 == expr(math.prod(out.shape[:o]))
+                                       and sympy.cancel(expr(x.shape[d]) - expr(out.shape[o])) == 0):
+        raise Mixes("reshapes entries in a sorted order so that they change places")
+    return [replace(rows, dim=o, outer=outer_out)]
 
 
-@rule("permute", "permute_copy", "transpose", "transpose_copy", "t", "t_copy")
+@rule("permute", "permute_copy", "transpose", "transpose_copy", "t", "t_copy", keeps_order=True,
+      reads_positions=True)
 def permute(call: Call) -> list:
     x = call.tensors[0]
     rows = call.rows(x)
@@ -47,7 +53,7 @@ def permute(call: Call) -> list:
         a, b = (call.named["dim0"] % n, call.named["dim1"] % n) if "dim0" in call.named else (0, 1)
         order = list(range(n))
         order[a], order[b] = order[b], order[a]
-    return [Rows(order.index(rows.dim), rows.outer)]
+    return [replace(rows, dim=order.index(rows.dim))]
 
 
 @rule("cat")
@@ -59,7 +65,7 @@ def cat(call: Call) -> list:
     return call.follow()
 
 
-@rule("as_strided", "as_strided_")
+@rule("as_strided", "as_strided_", keeps_order=True)
 def as_strided(call: Call) -> list:
     """Only the restriding that changes no element's place: same sizes, and the same
     strides wherever a size is not 1 (Inductor's and ATen's layouts of a fresh result)."""
@@ -76,7 +82,7 @@ def as_strided(call: Call) -> list:
     return [rows]
 
 
-@rule("slice")
+@rule("slice", keeps_order=True)
 def slice_(call: Call) -> list:
     """Rows of a slice along the batch must be all of them: x[:s] is, x[1:] is not. A
     shared tensor sliced to the batch's length (`table[:s]`) has row r = table[r]."""
@@ -94,7 +100,7 @@ def slice_(call: Call) -> list:
     return [rows]
 
 
-@rule("split", "split_with_sizes", "unsafe_split", "unsafe_split_with_sizes")
+@rule("split", "split_with_sizes", "unsafe_split", "unsafe_split_with_sizes", keeps_order=True)
 def split(call: Call) -> list:
     """Splitting along the batch dim only separates the ranks' blocks of an all-gather."""
     x = call.named["self"]

@@ -37,9 +37,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from .. import _compat
-from . import row_views  # noqa: F401 - registers the rules of views and layout ops
-from .row_rules import METADATA, NO_DATA, PER_ROW_WRITES, RULES, SIZE_ARGUMENTS, Call, Mixes, Rows, free, \
-    pointwise_rule, rowwise
+from . import row_indexing, row_sorts, row_views  # noqa: F401 - register their rules
+from .row_rules import METADATA, NO_DATA, PER_ROW_WRITES, RULES, SIZE_ARGUMENTS, Call, Groups, Mixes, Rows, free, \
+    pointwise_rule, positional, rowwise
 
 
 class BatchRows:
@@ -59,8 +59,11 @@ class BatchRows:
                 dims = [d for d, size in enumerate(t.shape) if self.carries(size)]
                 if dims:
                     self.rows[id(t)] = (Rows(dims[0]), t)
+        self.groups: dict[int, tuple[Groups, torch.Tensor]] = {}
         self.written: set[StorageWeakRef] = set()
         self.why: str | None = None
+        self.at: Any = None  # what the caller says the current op is (its FX node)
+        self.sorted_at: dict[Any, Any] = {}  # each sort's order -> `at` of the sort
 
     def carries(self, value: Any) -> bool:
         """`value` (a size or a number) is computed from the batch size."""
@@ -73,6 +76,10 @@ class BatchRows:
 
     def of(self, t: torch.Tensor) -> Rows | None:
         found = self.rows.get(id(t))
+        return found[0] if found is not None else None
+
+    def groups_of(self, t: torch.Tensor) -> Groups | None:
+        found = self.groups.get(id(t))
         return found[0] if found is not None else None
 
     def written_intermediate(self, t: torch.Tensor) -> bool:
@@ -89,21 +96,34 @@ class BatchRows:
         reads_written = [t for t in call.tensors if self.of(t) is None and _storage(t) in self.written]
         numbers = [v for v in tree_leaves((args, kwargs)) if self.carries(v)]
         sized = [t for t in outs if call.batch_dims(t)]
-        if not (reads or reads_written or numbers or sized) or call.name in METADATA:
+        counts = [t for t in call.tensors if self.groups_of(t) is not None]
+        if not (reads or reads_written or numbers or sized or counts) or call.name in METADATA:
             return
         declared = bool({str(func.overloadpacket), str(func)} & self.rowwise_ops)
         rule = rowwise if declared else RULES.get(call.name) or pointwise_rule(func)
+        self._check_sorted(rule, reads, counts)
         if rule is None:
             raise Mixes("has no rule saying it keeps rows apart")
         self._check_numbers(call)
         result = rule(call)
         for t, rows in zip(outs, result):
             self._set(call, t, rows)
+            if getattr(rows, "order", None) is not None:
+                self.sorted_at.setdefault(rows.order, self.at)
         writes = [t for t in _compat.written_arguments(func, args, kwargs) if isinstance(t, torch.Tensor)]
         self._check_reads(call, reads, reads_written, result, writes, leaves)
         if reads:
             for t in writes:
                 self._written_into(t, call.name)
+
+    def _check_sorted(self, rule: Any, reads: list, counts: list) -> None:
+        """What a sort moved or counted reaches only the rules that follow it (`row_sorts.py`)."""
+        if counts and not getattr(rule, "reads_groups", False):
+            raise Mixes("reads counts taken over every row of the batch")
+        if any(self.of(t).order is not None for t in reads) and not getattr(rule, "keeps_order", False):
+            raise Mixes("reads rows in a sorted order, which it is not known to keep")
+        if any(positional(self.of(t)) for t in reads) and not getattr(rule, "reads_positions", False):
+            raise Mixes("uses positions in a sorted order as numbers")
 
     def _check_numbers(self, call: Call) -> None:
         for name, value in call.named.items():
@@ -113,8 +133,13 @@ class BatchRows:
                 raise Mixes(f"uses the batch size as a number (its argument {name!r}), so a padded "
                             "batch changes the result")
 
-    def _set(self, call: Call, t: torch.Tensor, rows: Rows | None) -> None:
+    def _set(self, call: Call, t: torch.Tensor, rows: Rows | Groups | None) -> None:
         dims = call.batch_dims(t)
+        if isinstance(rows, Groups):
+            self.rows.pop(id(t), None)
+            self.groups[id(t)] = (rows, t)
+            return
+        self.groups.pop(id(t), None)
         if rows is None and dims:
             raise Mixes(f"gives a result of shape {_shape(t)} whose size carries the batch but whose "
                         "rows are not one per row of the batch")
