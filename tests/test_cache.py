@@ -128,7 +128,7 @@ def test_inductor_options_are_in_the_key():
     """Level 2's code depends on inductor_compile_config: two configs never share an entry."""
     plain = Backend(GraphOptimizationConfig(graph_opt_level=2))
     tuned = Backend(GraphOptimizationConfig(graph_opt_level=2, inductor_compile_config={"max_autotune": True}))
-    assert plain._pass_uuid() != tuned._pass_uuid()
+    assert plain.cache.pass_uuid() != tuned.cache.pass_uuid()
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "foreign"])

@@ -6,8 +6,9 @@ optionally compile it with Inductor, and replay it as a device graph.
 
 from ._compat import register_dynamo_backend
 from .api import DynamicDims, OptimizedFunction, OptimizedModule, optimize, support_graph_optimization
-from .backend import Backend, graphopt_backend
+from .backend import Backend
 from .config import GraphOptimizationConfig
+from .modes import MODES, backends, graphopt_backend
 from .passes.fusion.replacement import fwd_only, register_replacement
 from .passes.base import PassResult
 from .passes.manager import PassVerificationError
@@ -24,11 +25,13 @@ __all__ = [
     "DeviceGraph",
     "DynamicDims",
     "GraphOptimizationConfig",
+    "MODES",
     "OptimizedFunction",
     "OptimizedModule",
     "PassResult",
     "PassVerificationError",
     "Report",
+    "backends",
     "check",
     "fwd_only",
     "graph_pool_handle",

@@ -14,7 +14,6 @@ wrapping the compiled graph, so Dynamo's guards run before every replay.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -22,12 +21,12 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx
 
-from . import _compat, cache
+from . import _compat, cache, modes
+from .backend_cache import BackendCache
 from ._compat import cache as compat_cache
 from ._compat import traces as compat_traces
 from .config import GraphOptimizationConfig
 from .lowering import lower_to_bindings
-from .passes.fusion.replacement import USER_PATTERNS, Unkeyable
 from .passes.manager import PassManager, check_pass_names
 from .report import GraphRecord, Report
 
@@ -45,7 +44,7 @@ class GraphSpec:
     level: int
     signature: Any = None            # with device graphs: the GraphRunner's Signature
     inductor: bytes | None = None    # level 2: Inductor's compiled graph, serialized
-    passes: str | None = None        # Backend._pass_uuid() it was compiled under
+    passes: str | None = None        # BackendCache.pass_uuid() it was compiled under
 
 
 class NotStorable(Exception):
@@ -81,30 +80,55 @@ class Backend:
 
     def __init__(self, config: GraphOptimizationConfig | None = None, *,
                  dynamic_dims: Mapping[str, int] | None = None,
-                 pad_values: Mapping[str, float | int] | None = None):
-        self.config = config or GraphOptimizationConfig()
-        check_pass_names(self.config.disabled_passes)
+                 pad_values: Mapping[str, float | int] | None = None, mode: str | None = None):
+        self.given, self.mode = config or GraphOptimizationConfig(), mode
         self.dynamic_dims = dynamic_dims
         self.pad_values = dict(pad_values or {})
-        self._report = Report(self.config.graph_opt_level)
-        self._report.capture_sizes = list(self.config.cudagraph_capture_sizes)
         self.graph_modules: list[torch.fx.GraphModule] = []
         self.callers: set[int] = set()  # threads that called a GraphRunner of this Backend
         # Set once Dynamo hands over a graph with a symbolic size: from then on a new
         # batch size finds that graph, so callers can stop marking dynamic dims.
         self.compiled_dynamic = False
         self._levels: dict[str, int] = {}
-        self._cache = cache.CompileCache(self.config.cache_dir, self._report) if self.config.cache_dir else None
+        self._configure(mode)
         _compat.allow_recompiles(RECOMPILE_BUDGET)
         _compat.on_recompile_limit(self._gave_up)
+
+    def _configure(self, mode: str | None) -> None:
+        self.config, kept = modes.with_mode(self.given, mode)
+        self.mode = mode
+        check_pass_names(self.config.disabled_passes)
+        self._report = Report(self.config.graph_opt_level)
+        self._report.capture_sizes = list(self.config.cudagraph_capture_sizes)
+        self._report.notes += kept
+        self.cache = BackendCache(self.config, self._report)
         if self.config.graph_opt_level == 2 and not torch.cuda.is_available():
             _compat.check_cpu_isas_early()  # README, "Start-up": 4 s off a cold start
 
     def report(self) -> Report:
         return self._report
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
+                 options: Mapping[str, Any] | None = None) -> Callable:
+        """Dynamo's call; torch.compile adds its `mode` and `options` when given."""
+        if options:
+            raise TypeError("torch.compile(backend=graphopt.Backend(config), options=...): a Backend takes its "
+                            "keys from its config; put them there, or use backend='graphopt' with options")
+        if mode not in (None, self.mode):
+            if self.graph_modules or self._report.graphs:
+                raise ValueError(f"this Backend already compiled graphs with mode={self.mode!r}; use a new "
+                                 f"Backend for mode={mode!r}")
+            self._configure(mode)
         return self.compile(gm, example_inputs)[0]
+
+    def __deepcopy__(self, memo: dict) -> Backend:
+        """The same Backend: engines copy their compile settings (transformers' CompileConfig),
+        and the copy must compile into the report the user holds."""
+        return self
+
+    def __reduce__(self) -> tuple:
+        """Pickled, a Backend is its settings: unpickled, a new Backend with an empty report."""
+        return _rebuilt, (self.given, self.dynamic_dims, self.pad_values, self.mode)
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Callable, GraphSpec | str]:
         """What Dynamo runs for `gm`, and how a later process builds it again from
@@ -115,10 +139,10 @@ class Backend:
         device = _device_type(example_inputs)
         level = self._level(device)
         mode = self._cudagraph_mode(level, device)
-        bypass = "level 0 compiles nothing" if level == 0 else self.cache_bypass()
+        bypass = "level 0 compiles nothing" if level == 0 else self.cache.bypass()
         # The key of the whole graph, for its spec; a bypassed cache is logged per compile, below.
-        key = self._cache_key(gm, list(example_inputs)) if bypass is None else None
-        spec: GraphSpec | str = GraphSpec(key, level, passes=self._pass_uuid()) if key is not None else bypass
+        key = self.cache.key(gm, list(example_inputs)) if bypass is None else None
+        spec: GraphSpec | str = GraphSpec(key, level, passes=self.cache.pass_uuid()) if key is not None else bypass
         if mode == "none":
             return self._compile(gm, example_inputs, level, key), spec
         from .runtime import piecewise
@@ -194,7 +218,7 @@ class Backend:
         self._report.graphs.append(record)
         real_inputs = _aot_args(gm, [_compat.concrete(x) for x in example_inputs])
         kinds = ["parameter"] * (len(real_inputs) - len(example_inputs)) + _compat.input_kinds(gm)
-        key = key or self._cache_key(gm, list(example_inputs))
+        key = key or self.cache.key(gm, list(example_inputs))
         start = time.perf_counter()
         if level == 1:
             compiled = self._compile_level1(gm, example_inputs, record, real_inputs, kinds, key)
@@ -207,7 +231,7 @@ class Backend:
                         real_inputs: list, kinds: list[str], key: str | None) -> Callable:
         """Level 1: AOTAutograd, the passes, lowering. A cache hit skips the passes and,
         where AOTAutograd's runtime wrapper would only call the graph, AOTAutograd too."""
-        stored = self._cache_load(key)
+        stored = self.cache.load(key)
         if stored is not None and stored["direct"] is not None:
             self._restore(stored, record)
             return compat_cache.call_like_aot(cache.load_graph(stored["lowered"]), stored["direct"])
@@ -222,7 +246,7 @@ class Backend:
             lowered = lower_to_bindings(aot_gm)
             graph_inputs = len(aot_gm.graph.find_nodes(op="placeholder"))
             direct = compat_cache.aot_wrapper_output_dims(graph_inputs, len(example_inputs), inference)
-            self._cache_store(key, {**records, "direct": direct}, aot_gm, lowered)
+            self.cache.store(key, {**records, "direct": direct}, aot_gm, lowered)
             return _compat.boxed(lowered)
 
         return _compat.aot_inference(gm, example_inputs, fw_compiler)
@@ -231,7 +255,7 @@ class Backend:
                           real_inputs: list, kinds: list[str], key: str | None) -> Callable:
         """Level 2. Inductor's own caches hold the compiled code; graphopt's holds the
         records of the passes, which a hit in Inductor's cache skips."""
-        stored = self._cache_load(key)
+        stored = self.cache.load(key)
         optimized: list[tuple[torch.fx.GraphModule, dict]] = []
 
         def post_grad_pass(graph: torch.fx.Graph) -> None:
@@ -242,13 +266,13 @@ class Backend:
         # With the cache on, AOTAutograd's entry holds the compiled code itself, so a
         # stored trace can carry it (traces.py).
         with compat_traces.bundled_inductor_cache() if key is not None else contextlib.nullcontext():
-            compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, self._pass_uuid(), options)
+            compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, self.cache.pass_uuid(), options)
             if key is not None and not optimized and stored is None:
                 # Inductor's cache had the code but graphopt's records are gone: compile once more for them.
                 options["force_disable_caches"] = True
-                compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, self._pass_uuid(), options)
+                compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, self.cache.pass_uuid(), options)
         if optimized:
-            self._cache_store(key, {**optimized[-1][1], "direct": None}, optimized[-1][0])
+            self.cache.store(key, {**optimized[-1][1], "direct": None}, optimized[-1][0])
         elif stored is not None:
             self._restore(stored, record)
         return compiled
@@ -260,7 +284,7 @@ class Backend:
         runtime, spec = self.compile(gm, example_inputs)
         if isinstance(spec, str):
             return compat_traces.Stored(None, runtime, why=spec)
-        entry = self._cache.load(spec.key)
+        entry = self.cache.load(spec.key)
         why = None
         if entry is None:
             why = "its graph could not be stored in the compile cache"
@@ -276,9 +300,9 @@ class Backend:
         `spec`, from the compile cache, reported as a cache hit. Raises NotStorable
         when the cache no longer has the graph, or when the passes that made it
         differ from this Backend's (another extra_check, say)."""
-        if spec.passes is None or spec.passes != self._pass_uuid():
+        if spec.passes is None or spec.passes != self.cache.pass_uuid():
             raise NotStorable("graphopt's settings or the registered replacements changed since it was stored")
-        stored = self._cache_load(spec.key)
+        stored = self.cache.load(spec.key)
         if stored is None or (spec.level == 1 and stored["lowered"] is None):
             raise NotStorable(f"its graph ({spec.key[:12]}) is no longer in the compile cache")
         record = GraphRecord(index=len(self._report.graphs))
@@ -298,43 +322,8 @@ class Backend:
         self.graph_modules.append(gm)
         return records
 
-    def cache_bypass(self) -> str | None:
-        """Why this Backend's graphs do not go through the compile cache, or None."""
-        config = self.config
-        if self._cache is None:
-            return "the compile cache is off (cache_dir=None)"
-        if config.freeze_parameters:
-            return "freeze_parameters folds weight values into the graph"
-        if config.verify or config.debug_dump_dir:
-            return "verify and debug_dump_dir ask for every pass to run"
-        try:
-            USER_PATTERNS.fingerprint()
-        except Unkeyable as why:
-            return str(why)
-        return None
-
-    def _cache_key(self, gm: torch.fx.GraphModule, inputs: list) -> str | None:
-        """The compile cache's key for `gm`, or None where the cache is not used."""
-        bypass = self.cache_bypass()
-        if bypass is not None:
-            if self._cache is not None:
-                self._report.fallback(f"cache_dir: {bypass}, so graphs are compiled without the compile cache")
-            return None
-        device = _device_type(inputs)
-        # Dynamo guards on these, and AOTAutograd traces differently under them.
-        modes = f"grad={torch.is_grad_enabled()} autocast={torch.is_autocast_enabled(device)}"
-        return cache.cache_key(self._pass_uuid(), cache.describe_graph(gm, inputs), device, modes)
-
-    def _cache_load(self, key: str | None) -> dict | None:
-        return None if key is None else self._cache.load(key)
-
-    def _cache_store(self, key: str | None, records: dict, graph: torch.fx.GraphModule,
-                     lowered: torch.fx.GraphModule | None = None) -> None:
-        if key is not None:
-            self._cache.store_compile(key, records, graph, lowered)
-
     def _restore(self, stored: dict, record: GraphRecord) -> None:
-        graph = self._cache.restore(stored, record)
+        graph = self.cache.restore(stored, record)
         if graph is not None:
             self.graph_modules.append(graph)
 
@@ -365,36 +354,9 @@ class Backend:
             self._report.fallback(f"Dynamo gave up compiling and runs a frame eagerly: {message}; "
                                   "raise torch._dynamo.config.recompile_limit")
 
-    def _pass_uuid(self) -> str:
-        """What, besides the graph, decides what the passes make of it: the config
-        fields they read and the user's patterns (graphopt and torch's versions are in
-        every cache key). Inductor's FX graph cache keys on it too; "" where the
-        patterns cannot be keyed, which Inductor takes as a pass it must not cache."""
-        config = self.config
-        fields = {"graph_opt_level": config.graph_opt_level, "disabled_passes": sorted(config.disabled_passes),
-                  "freeze_parameters": config.freeze_parameters,
-                  "inductor_compile_config": config.inductor_compile_config}
-        try:
-            patterns = USER_PATTERNS.fingerprint()
-        except Unkeyable:
-            return ""
-        return cache.cache_key(json.dumps(fields, sort_keys=True), patterns)
 
-
-# One Backend per torch.compile(backend="graphopt", options=...) call: torch hands
-# the same options dict to every graph of that call.
-_backends_by_options: dict[int, tuple[dict, Backend]] = {}
-
-
-def graphopt_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                     options: dict[str, Any] | None = None) -> Callable:
-    """`torch.compile(model, backend="graphopt", options={...})`: options are
-    GraphOptimizationConfig keys."""
-    options = options if options is not None else {}
-    entry = _backends_by_options.get(id(options))
-    if entry is None or entry[0] is not options:
-        entry = _backends_by_options[id(options)] = (options, Backend(GraphOptimizationConfig.from_dict(options)))
-    return entry[1](gm, example_inputs)
+def _rebuilt(config: GraphOptimizationConfig, dynamic_dims: Any, pad_values: Any, mode: str | None) -> Backend:
+    return Backend(config, dynamic_dims=dynamic_dims, pad_values=pad_values, mode=mode)
 
 
 def _aot_args(gm: torch.fx.GraphModule, inputs: list) -> list:

@@ -119,6 +119,7 @@ class Report:
     traces_stored: int = 0    # Dynamo traces of the step stored for later processes (traces.py)
     traces_used: int = 0      # stored traces this process ran instead of tracing the step
     memory: list[MemoryRecord] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # decisions made for the user: a key kept over a mode's
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def fallback(self, reason: str) -> None:
@@ -162,6 +163,7 @@ class Report:
             "cache": {"hits": self.cache_hits, "misses": self.cache_misses, "rebuilt": self.cache_rebuilt,
                       "traces_stored": self.traces_stored, "traces_used": self.traces_used},
             "memory": [m.to_dict() for m in self.memory],
+            "notes": list(self.notes),
         }
 
     def __str__(self) -> str:
@@ -197,6 +199,9 @@ class Report:
             for piece in (p for graph in self.pieces for p in graph if len(graph) > 1):
                 how = "captured" if piece.split_reason is None else f"runs between replays: {piece.split_reason}"
                 lines.append(f"    {piece.name}: {how} ({piece.captures} captures, {piece.replays} replays)")
+        if self.notes:
+            lines.append("  notes:")
+            lines.extend(f"    {note}" for note in self.notes)
         if self.fallbacks:
             lines.append("  fallbacks:")
             lines.extend(f"    {n} x {reason}" for reason, n in self.fallbacks.items())

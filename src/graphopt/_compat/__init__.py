@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+import sys
 import threading
 import weakref
 from typing import Any, Callable, Sequence
@@ -155,6 +156,20 @@ def register_dynamo_backend(name: str, fn: Callable) -> None:
     if _COMPILER_FNS.get(name) is not fn:
         _COMPILER_FNS.pop(name, None)
         register_backend(compiler_fn=fn, name=name)
+
+
+def compile_call() -> Any:
+    """The torch.compile call whose graph a backend is compiling (torch's wrapper of the
+    backend and its arguments, one per call), found on the stack; None when the
+    backend was called another way."""
+    code = getattr(getattr(torch, "_TorchCompileWrapper", None), "__call__", None)
+    code = getattr(code, "__code__", None)
+    frame = sys._getframe(1)
+    while frame is not None and code is not None:
+        if frame.f_code is code:
+            return frame.f_locals.get("self")
+        frame = frame.f_back
+    return None
 
 
 def concrete(value: Any) -> Any:

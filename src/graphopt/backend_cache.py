@@ -1,0 +1,76 @@
+"""What of a Backend's work goes through the compile cache (`cache.py`): whether its
+graphs may be stored at all, their keys, and the records stored beside them."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.fx
+
+from . import cache
+from .config import GraphOptimizationConfig
+from .passes.fusion.replacement import USER_PATTERNS, Unkeyable
+from .report import GraphRecord, Report
+
+
+class BackendCache:
+    def __init__(self, config: GraphOptimizationConfig, report: Report):
+        self.config, self.report = config, report
+        self.disk = cache.CompileCache(config.cache_dir, report) if config.cache_dir else None
+
+    def bypass(self) -> str | None:
+        """Why this Backend's graphs do not go through the compile cache, or None."""
+        config = self.config
+        if self.disk is None:
+            return "the compile cache is off (cache_dir=None)"
+        if config.freeze_parameters:
+            return "freeze_parameters folds weight values into the graph"
+        if config.verify or config.debug_dump_dir:
+            return "verify and debug_dump_dir ask for every pass to run"
+        try:
+            USER_PATTERNS.fingerprint()
+        except Unkeyable as why:
+            return str(why)
+        return None
+
+    def key(self, gm: torch.fx.GraphModule, inputs: list) -> str | None:
+        """The compile cache's key for `gm`, or None where the cache is not used."""
+        bypass = self.bypass()
+        if bypass is not None:
+            if self.disk is not None:
+                self.report.fallback(f"cache_dir: {bypass}, so graphs are compiled without the compile cache")
+            return None
+        device = next((x.device.type for x in inputs if isinstance(x, torch.Tensor) and x.device.type != "cpu"),
+                      "cpu")
+        # Dynamo guards on these, and AOTAutograd traces differently under them.
+        modes = f"grad={torch.is_grad_enabled()} autocast={torch.is_autocast_enabled(device)}"
+        return cache.cache_key(self.pass_uuid(), cache.describe_graph(gm, inputs), device, modes)
+
+    def load(self, key: str | None) -> dict | None:
+        return None if key is None else self.disk.load(key)
+
+    def store(self, key: str | None, records: dict, graph: torch.fx.GraphModule,
+              lowered: torch.fx.GraphModule | None = None) -> None:
+        if key is not None:
+            self.disk.store_compile(key, records, graph, lowered)
+
+    def restore(self, stored: dict, record: GraphRecord) -> Any:
+        """The stored records into `record`; the stored graph, if any."""
+        return self.disk.restore(stored, record)
+
+    def pass_uuid(self) -> str:
+        """What, besides the graph, decides what the passes make of it: the config
+        fields they read and the user's patterns (graphopt and torch's versions are in
+        every cache key). Inductor's FX graph cache keys on it too; "" where the
+        patterns cannot be keyed, which Inductor takes as a pass it must not cache."""
+        config = self.config
+        fields = {"graph_opt_level": config.graph_opt_level, "disabled_passes": sorted(config.disabled_passes),
+                  "freeze_parameters": config.freeze_parameters,
+                  "inductor_compile_config": config.inductor_compile_config}
+        try:
+            patterns = USER_PATTERNS.fingerprint()
+        except Unkeyable:
+            return ""
+        return cache.cache_key(json.dumps(fields, sort_keys=True), patterns)

@@ -1,0 +1,49 @@
+"""transformers' own auto-compile path: `generate(..., compile_config=CompileConfig(...))`
+with graphopt's backend name (CompileConfig's default mode, "reduce-overhead") and
+with a `Backend` object (which transformers deep-copies), on the models of
+test_hf_generate.py: eager's tokens, and the decode steps replay host graphs.
+
+transformers compiles only on accelerators unless `_compile_all_devices` is set;
+its prefill runs uncompiled, so every compiled call is a decode step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphopt
+from test_hf_generate import BUILDERS, NEW_TOKENS, CounterProbe, assert_replays_from, generate, prompt, twins
+
+transformers = pytest.importorskip("transformers")
+
+
+def _compile_config(backend) -> "transformers.CompileConfig":
+    config = transformers.CompileConfig(backend=backend)
+    config._compile_all_devices = True  # compile on the CPU too
+    return config
+
+
+@pytest.mark.parametrize("way", ["name", "object"])
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_generate_with_compile_config_gives_eager_tokens_and_replays(name: str, way: str) -> None:
+    torch._dynamo.reset()
+    eager, model = twins(name)
+    before = len(graphopt.backends())
+    backend = "graphopt" if way == "name" else graphopt.Backend(graphopt.GraphOptimizationConfig(max_num_seqs=4))
+
+    def report() -> graphopt.Report:
+        if way == "object":
+            return backend.report()
+        made = graphopt.backends()[before:]
+        return made[-1].report() if made else graphopt.Report(1)
+
+    ids = prompt(1)
+    probe = CounterProbe(report)
+    out = generate(model, ids, probe, compile_config=_compile_config(backend))
+    assert torch.equal(out, generate(eager, ids)), f"{name} ({way}): tokens differ from eager's"
+    # Decode steps 1 and 2 warm up, step 3 captures, steps 4.. replay.
+    assert_replays_from(probe.steps, 4, f"{name} ({way})")
+    assert probe.steps[-1].replays == NEW_TOKENS - 4, probe.steps
+    if way == "object":
+        assert len(graphopt.backends()) == before, "a Backend object is used as it is, not replaced"
