@@ -246,3 +246,29 @@ def test_experts_pad_only_when_grouped_by_their_own_sorted_keys(counted: str) ->
     else:
         assert set(sizes) & {3, 5, 6, 7}, str(report)
         assert any("aten.histc" in r and "counts values over every row" in r for r in report.fallbacks), str(report)
+
+
+class Attend(torch.nn.Module):
+    """graphopt::decode_attention over a slot cache of 8 sequences and a scratch slot."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("k", torch.randn(9, 2, 16, 8))
+        self.register_buffer("v", torch.randn(9, 2, 16, 8))
+
+    def forward(self, q: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return torch.ops.graphopt.decode_attention(q, self.k, self.v, slots, positions, 0.35) * 2
+
+
+def test_decode_attention_reads_its_own_rows_so_it_pads() -> None:
+    import graphopt.kernels.decode_attention  # noqa: F401 - registers the op
+
+    torch.manual_seed(0)
+    model = Attend().eval()
+    opt = graphopt.optimize(model, CONFIG, pad_values={"slots": 8})
+    with torch.inference_mode():
+        for batch in STREAM:
+            q, positions, slots = torch.randn(batch, 4, 1, 8), torch.randint(0, 16, (batch, 1)), torch.randperm(8)[:batch]
+            torch.testing.assert_close(opt(q, positions, slots), model(q, positions, slots), atol=1e-5, rtol=1e-5)
+    report = opt.report()
+    assert sorted({c.size for c in report.captures}) == [4, 8] and not unexpected_fallbacks(report), str(report)

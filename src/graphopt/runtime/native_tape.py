@@ -2,11 +2,8 @@
 
 A Python replay pays the interpreter for every op (~3 µs on a 2-core CPU, more than
 many decode-step ops cost); `native_tape.cpp` makes one boxed dispatcher call per op
-(~0.6 µs). It is compiled on first use with torch's C++ extension loader (a C++
-compiler and `ninja`, both already needed by Inductor's CPU code) into torch's
-extensions directory (`$TORCH_EXTENSIONS_DIR`, else `~/.cache/torch_extensions`),
-once per torch and source version: the first host graph on a machine waits about
-a minute, later processes load it in milliseconds.
+(~0.6 µs). It is compiled on first use (`kernels/native.py`): the first host graph
+on a machine waits about a minute, later processes load it in milliseconds.
 
 Where it cannot be built, host graphs replay from Python: the reason is logged once
 and each capture counts it as a fallback. `GRAPHOPT_NATIVE_TAPE=0` asks for the
@@ -16,13 +13,12 @@ Python replay without trying.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
+from ..kernels import native
 
 log = logging.getLogger("graphopt")
 
@@ -34,15 +30,11 @@ ENABLED = os.environ.get("GRAPHOPT_NATIVE_TAPE", "1") != "0"
 @functools.cache
 def _module() -> tuple[Any, str | None]:
     """The compiled extension, or None and why not (logged once)."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
-    try:
-        from torch.utils import cpp_extension
-
-        return cpp_extension.load(f"graphopt_tape_{digest}", [str(SOURCE)], extra_cflags=["-O2"]), None
-    except Exception as error:  # noqa: BLE001 - no compiler, no ninja, a header torch moved: all mean "replay from Python"
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        log.warning("graphopt: host graphs replay from Python, the native tape could not be built: %s", reason)
-        return None, f"the native tape could not be built ({reason})"
+    module, error = native.build("graphopt_tape", SOURCE, ["-O2"])
+    if module is None:
+        log.warning("graphopt: host graphs replay from Python, the native tape could not be built: %s", error)
+        return None, f"the native tape could not be built ({error})"
+    return module, None
 
 
 def unavailable() -> str | None:

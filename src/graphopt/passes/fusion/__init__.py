@@ -37,6 +37,7 @@ def fusion_passes() -> dict[str, Callable]:
     from .activation import fuse_activations
     from .attention import fuse_attention
     from .collective import fuse_all_reduce_norms
+    from .decode_attention import fuse_decode_attention
     from .eltwise import fuse_eltwise
     from .horizontal import fuse_horizontal_linear
     from .linear import fuse_matmul_transpose
@@ -46,7 +47,9 @@ def fusion_passes() -> dict[str, Callable]:
     from .rotary import fuse_rotary
 
     return {"user_replacements": USER_PATTERNS, "fuse_norms": fuse_norms,
-            "fuse_all_reduce_norms": fuse_all_reduce_norms, "fuse_attention": fuse_attention,
+            "fuse_all_reduce_norms": fuse_all_reduce_norms,
+            # Before fuse_attention, which would make the same attention SDPA.
+            "fuse_decode_attention": fuse_decode_attention, "fuse_attention": fuse_attention,
             "fuse_rotary": fuse_rotary, "fuse_activations": fuse_activations,
             "fuse_eltwise": fuse_eltwise, "fuse_pooling": fuse_pooling,
             "fuse_matmul_transpose": fuse_matmul_transpose, "fuse_horizontal_linear": fuse_horizontal_linear}

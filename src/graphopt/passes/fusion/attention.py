@@ -19,7 +19,7 @@ from . import FUSED_ATEN_OPS, gates
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
-_SDPA_OPS = {op for op, name in FUSED_ATEN_OPS.items() if name == "scaled_dot_product_attention"}
+SDPA_OPS = {op for op, name in FUSED_ATEN_OPS.items() if name == "scaled_dot_product_attention"}
 _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 # A batched matmul's decomposition re-reads its operands through these only.
 _LAYOUT = _RESHAPES | {aten.expand.default, aten.clone.default}
@@ -64,7 +64,7 @@ def fuse_attention(gm: torch.fx.GraphModule) -> PassResult:
     mode = _compat.fake_mode_of(gm) or contextlib.nullcontext()  # SDPA is traced on the graph's values
     fused = gated = 0
     for node in list(gm.graph.nodes):  # replaced nodes stay (dead) until the end
-        found = _match(gm, node) if node.op == "call_function" else None
+        found = match(gm, node) if node.op == "call_function" else None
         if found is None:
             continue
         q = value_of(found.q)
@@ -79,7 +79,7 @@ def fuse_attention(gm: torch.fx.GraphModule) -> PassResult:
 
 
 @dataclass
-class _Found:
+class Found:
     q: torch.fx.Node
     k: torch.fx.Node  # [..., s, d], or kᵀ when `k_transposed`
     v: torch.fx.Node
@@ -93,7 +93,7 @@ class _Found:
     gqa: tuple[torch.fx.Node, torch.fx.Node] | None = None  # k and v before their repeat
 
 
-def _match(gm: torch.fx.GraphModule, node: torch.fx.Node) -> _Found | None:
+def match(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Found | None:
     softmax = _softmax(node)
     walked = _scores(gm, softmax[0], _MAX_STAGES) if softmax else None
     if walked is None:
@@ -123,8 +123,8 @@ def _match(gm: torch.fx.GraphModule, node: torch.fx.Node) -> _Found | None:
     q, q_factor = _unscaled(q)
     k, k_transposed = _untransposed(kt)
     k, k_factor = (kt, 1.0) if k_transposed else _unscaled(k)
-    found = _Found(q, k, v, out, scale * q_factor * k_factor, k_transposed, mask, mask_kind, fill,
-                   internal | consumer_nodes | {probs})
+    found = Found(q, k, v, out, scale * q_factor * k_factor, k_transposed, mask, mask_kind, fill,
+                  internal | consumer_nodes | {probs})
     found.gqa = _repeated_pair(found)
     return found if _valid(found, cast) else None
 
@@ -172,9 +172,9 @@ def _stages(gm: torch.fx.GraphModule, node: torch.fx.Node):
     if target in _SCALES and not node.kwargs:
         divide = _SCALES[target]
         for chain, other in [(args[0], args[1])] + ([] if divide else [(args[1], args[0])]):
-            number = _number(gm, other)
-            if number and _same_shape(node, chain):
-                yield "scale", chain, 1.0 / number if divide else number
+            factor = number(gm, other)
+            if factor and same_shape(node, chain):
+                yield "scale", chain, 1.0 / factor if divide else factor
     elif target in _CASTS:
         source, val = value_of(args[0]), value_of(node)
         if source is not None and val is not None and source.dtype in (torch.float16, torch.bfloat16) \
@@ -182,34 +182,35 @@ def _stages(gm: torch.fx.GraphModule, node: torch.fx.Node):
             yield "cast", args[0], None
     elif target is aten.add.Tensor and not node.kwargs:
         for scores, mask in ((args[0], args[1]), (args[1], args[0])):
-            if value_of(mask) is not None and value_of(mask).dtype.is_floating_point and _same_shape(node, scores):
+            if value_of(mask) is not None and value_of(mask).dtype.is_floating_point and same_shape(node, scores):
                 yield "add", scores, (mask, 0.0)
     elif target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
-        if _number(gm, args[2]) is not None and _same_shape(node, args[0]):
-            yield "drop", args[0], (args[1], _number(gm, args[2]))
+        if number(gm, args[2]) is not None and same_shape(node, args[0]):
+            yield "drop", args[0], (args[1], number(gm, args[2]))
     elif target is aten.where.self:
         for kind, scores, other in (("keep", args[1], args[2]), ("drop", args[2], args[1])):
-            if _number(gm, other) is not None and _same_shape(node, scores):
-                yield kind, scores, (args[0], _number(gm, other))
+            if number(gm, other) is not None and same_shape(node, scores):
+                yield kind, scores, (args[0], number(gm, other))
 
 
-def _number(gm: torch.fx.GraphModule, arg: Any) -> float | None:
+def number(gm: torch.fx.GraphModule, arg: Any) -> float | None:
     """`arg` as a Python number: a literal, or a one-element constant of the graph."""
     if isinstance(arg, (int, float)) and not isinstance(arg, bool):
         return float(arg)
     if not isinstance(arg, torch.fx.Node):
         return None
     if arg.target is aten.scalar_tensor.default:
-        return _number(gm, arg.args[0])
+        return number(gm, arg.args[0])
     if arg.target is aten.full.default and list(arg.args[0]) == []:
-        return _number(gm, arg.args[1])
+        return number(gm, arg.args[1])
     value = getattr(gm, arg.target, None) if arg.op == "get_attr" else None
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not _compat.is_fake(value):
-        return float(value.item())
+        with _compat.outside_fake_mode():  # passes may run inside the graph's fake mode
+            return float(value.item())
     return None
 
 
-def _same_shape(a: Any, b: Any) -> bool:
+def same_shape(a: Any, b: Any) -> bool:
     va, vb = value_of(a), value_of(b)
     return va is not None and vb is not None and _compat.same_shape(va, vb)
 
@@ -288,7 +289,7 @@ def _untransposed(kt: torch.fx.Node) -> tuple[torch.fx.Node, bool]:
     return kt, True
 
 
-def _repeated(node: torch.fx.Node) -> tuple[torch.fx.Node, int] | None:
+def repeated(node: torch.fx.Node) -> tuple[torch.fx.Node, int] | None:
     """(x, n) when `node` is x [b, h, s, d] with each head repeated n times, as
     repeat_kv and repeat_interleave decompose: `unsqueeze(x, 2).expand(b, h, n, s, d)`
     reshaped to [b, h * n, s, d]."""
@@ -309,12 +310,12 @@ def _repeated(node: torch.fx.Node) -> tuple[torch.fx.Node, int] | None:
     return x, sizes[2]
 
 
-def _repeated_pair(found: _Found) -> tuple[torch.fx.Node, torch.fx.Node] | None:
-    k, v = (None, None) if found.k_transposed else (_repeated(found.k), _repeated(found.v))
+def _repeated_pair(found: Found) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    k, v = (None, None) if found.k_transposed else (repeated(found.k), repeated(found.v))
     return (k[0], v[0]) if k is not None and v is not None and k[1] == v[1] else None
 
 
-def _valid(found: _Found, cast: torch.fx.Node | None) -> bool:
+def _valid(found: Found, cast: torch.fx.Node | None) -> bool:
     q, k, v, out, mask = (value_of(n) for n in (found.q, found.k, found.v, found.out, found.mask))
     if q is None or k is None or v is None or out is None or not math.isfinite(found.scale):
         return False
@@ -334,7 +335,7 @@ def _valid(found: _Found, cast: torch.fx.Node | None) -> bool:
     return all(set(n.users) <= found.internal | {found.out} for n in found.internal)
 
 
-def _replacement(found: _Found, gqa: bool):
+def _replacement(found: Found, gqa: bool):
     rank3 = value_of(found.q).dim() == 3
 
     def attention(q, k, v, mask=None):
@@ -352,7 +353,7 @@ def _replacement(found: _Found, gqa: bool):
     return attention
 
 
-def _trace(found: _Found, decompositions: dict, mode: Any) -> tuple[torch.fx.GraphModule, list] | None:
+def _trace(found: Found, decompositions: dict, mode: Any) -> tuple[torch.fx.GraphModule, list] | None:
     """SDPA traced for the match's values (with k and v unrepeated first, where the
     fused kernel takes GQA), or None when it would run unfused."""
     mask = [] if found.mask is None else [found.mask]
@@ -364,12 +365,12 @@ def _trace(found: _Found, decompositions: dict, mode: Any) -> tuple[torch.fx.Gra
                 traced = patterns.trace_forward(_replacement(found, gqa), values, decompositions)
         except Exception:  # noqa: BLE001 - what SDPA cannot trace (e.g. without enable_gqa) is not fused
             continue
-        if any(n.target in _SDPA_OPS for n in traced.graph.nodes):
+        if any(n.target in SDPA_OPS for n in traced.graph.nodes):
             return traced, inputs + mask
     return None
 
 
-def _replace(gm: torch.fx.GraphModule, found: _Found, decompositions: dict, mode: Any) -> bool:
+def _replace(gm: torch.fx.GraphModule, found: Found, decompositions: dict, mode: Any) -> bool:
     traced = _trace(found, decompositions, mode)
     if traced is None:
         return False

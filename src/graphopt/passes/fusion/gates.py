@@ -30,3 +30,19 @@ def sdpa_loses(level: int, device: torch.device, query_len: int | torch.SymInt) 
     queries (BERT, eager attention) it pays at both levels (1.09-1.17).
     """
     return ENABLED and level == 2 and device.type == "cpu" and isinstance(query_len, int) and query_len == 1
+
+
+def decode_attention_loses(device: torch.device, query_len: int | torch.SymInt) -> bool:
+    """Queries longer than one token (prefill), and the CPU where the C++ kernel
+    could not be built.
+
+    The kernel reads a sequence's keys and values once per query token, where SDPA's
+    flash kernel reads them once per block of queries; and without the C++ kernel the
+    op gathers whole cache rows for SDPA, which is what `fuse_attention` makes of the
+    same attention anyway. Where it runs it pays at both levels (the decode step of
+    `DecoderConfig.small()`, position 7, 1 thread, `benchmarks/decode_attention.py`).
+    """
+    from ...kernels.decode_attention import native_unavailable
+
+    return ENABLED and (not (isinstance(query_len, int) and query_len == 1)
+                        or device.type == "cpu" and native_unavailable() is not None)

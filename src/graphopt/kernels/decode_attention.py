@@ -1,0 +1,94 @@
+"""Decode attention that reads a KV cache in place, only up to each sequence's length.
+
+    decode_attention(query [b, h, t, d], key [n, kv_heads, s, d], value [n, kv_heads, s, d],
+                     slots [b] | None, positions (broadcasts to [b, t]), scale) -> [b, h, t, d]
+
+Query (i, j) attends, with `scale` and a max-subtracted softmax, over keys and values
+0 .. positions[i, j] of cache row slots[i] (row i when `slots` is None): the reference
+decoder's slot cache read as `k_cache.transpose(1, 2)` with its slots, transformers'
+`StaticCache` tensors as they are. A position past the cache attends over all of it,
+as the mask `key position <= query position` does; a negative one over no key, which
+gives zeros (eager's fully masked row gives NaN or a uniform average, SDPA zeros).
+Query head `x` reads kv head `x // (h // kv_heads)` (GQA, as `repeat_kv`), never
+repeated. `key` and `value` may have any strides. Lengths are read from `positions`
+when the op runs, so one captured device graph serves every length.
+
+On the CPU the kernel is C++ (`decode_attention.cpp`), built on first use for the
+machine's vector ISA and registered with the dispatcher; where it cannot be built,
+and on other devices, the op runs `_reference`: torch's SDPA under a mask built from
+the positions (on CUDA its flash or efficient kernel) after gathering whole cache rows,
+until a Triton kernel reads them in place.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import native
+
+log = logging.getLogger("graphopt")
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+SCHEMA = ("decode_attention(Tensor query, Tensor key, Tensor value, Tensor? slots, Tensor positions, float scale)"
+          " -> Tensor")
+# Compiler flags per vector ISA torch reports, as Inductor builds its CPU kernels.
+_ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-DCPU_CAPABILITY_AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"],
+}
+
+_LIB = torch.library.Library("graphopt", "FRAGMENT")
+_LIB.define(SCHEMA)
+
+
+@functools.cache
+def native_unavailable() -> str | None:
+    """Why CPU calls run `_reference` (None: the C++ kernel is registered). Builds
+    the kernel on the first call; a failure is logged once."""
+    isa = torch.backends.cpu.get_cpu_capability()
+    flags = ["-O3", *_ISA_FLAGS.get(isa, [])]
+    _, error = native.build("graphopt_decode_attention", SOURCE, flags, key=isa, python_module=False)
+    if error is not None:
+        log.warning("graphopt: decode_attention runs torch's SDPA on the CPU, its kernel could not be built: %s", error)
+        return f"the decode_attention kernel could not be built ({error})"
+    return None
+
+
+def fake_result(query: torch.Tensor) -> torch.Tensor:
+    """The op's result for this query: [b, h, t, d], contiguous."""
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("graphopt::decode_attention", lib=_LIB)
+def _fake(query, key, value, slots, positions, scale):
+    return fake_result(query)
+
+
+def _reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: Optional[torch.Tensor],
+               positions: torch.Tensor, scale: float) -> torch.Tensor:
+    if slots is not None:
+        key, value = key[slots], value[slots]
+    b, t, s = query.shape[0], query.shape[2], key.shape[2]
+    positions = positions.expand(b, t)
+    allowed = torch.arange(s, device=query.device) <= positions[..., None]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed[:, None], scale=scale,
+                                         enable_gqa=key.shape[1] != query.shape[1])
+    # A row without keys: zeros, as the C++ kernel gives (SDPA's math path gives NaN).
+    return out.masked_fill((positions < 0)[:, None, :, None], 0).contiguous()
+
+
+def _decode_attention(query, key, value, slots, positions, scale):
+    # Reached on the CPU only while the C++ kernel is not registered: a graph loaded
+    # from the compile cache runs this before anything built it.
+    if query.device.type == "cpu" and native_unavailable() is None:
+        return torch.ops.graphopt.decode_attention.default(query, key, value, slots, positions, scale)
+    return _reference(query, key, value, slots, positions, scale)
+
+
+_LIB.impl("decode_attention", _decode_attention, "CompositeExplicitAutograd")
