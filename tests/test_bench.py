@@ -5,9 +5,12 @@ import contextlib
 import io
 import json
 import math
+import re
+import sys
 
 import pytest
 import torch
+from rich.console import Console
 
 from graphopt.bench import measure, output
 from graphopt.bench.measure import CaseResult, Row, compare, fill_ratios, gemm_floor
@@ -18,26 +21,29 @@ from graphopt.cli import main
 # Level 2 compiles with Inductor (10-20 s a graph on a small CPU), too slow for the
 # smoke run; every other contender runs.
 SMOKE_CONTENDERS = ["eager", "torch.compile", "graphopt L0", "graphopt L0 + host graphs", "graphopt L1",
-                    "graphopt L1 + host graphs", "ONNX Runtime"]
+                    "graphopt L1 + host graphs", "ONNX Runtime", "OpenVINO"]
+# Installed with graphopt[bench]; without it the run says so in one line instead of a row.
+OPTIONAL = ["ONNX Runtime", "OpenVINO"]
 
 
-README = "# A project\n\n## Measured\n\n<!-- graphopt bench: start -->\nold tables\n<!-- graphopt bench: end -->\n\n## Layout\n"
+PAGE = "# Benchmarks\n\nHow.\n\n<!-- graphopt bench: start -->\nold tables\n<!-- graphopt bench: end -->\n\n## After\n"
 SMOKE = ["bench", "--quick", "--workloads", "resnet", "--contenders",
-         "eager,compile,L0,L0+graphs,L1,L1+graphs,onnxruntime", "--threads", "1", "--markdown", "--no-startup"]
+         "eager,compile,L0,L0+graphs,L1,L1+graphs,onnxruntime,openvino", "--threads", "1", "--markdown",
+         "--wide", "--no-startup"]
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    """A --quick run of the resnet workload, as Markdown and into a README:
-    (exit code, stdout, stderr, JSON, the README after)."""
+    """A --quick run of the resnet workload, as wide Markdown and into a docs page:
+    (exit code, stdout, stderr, JSON, the page after)."""
     out = tmp_path_factory.mktemp("bench")
-    readme = out / "README.md"
-    readme.write_text(README)
+    page = out / "benchmarks.md"
+    page.write_text(PAGE)
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = main([*SMOKE, "--out", str(out), "--readme", str(readme)])
+        code = main([*SMOKE, "--out", str(out), "--docs", str(page)])
     return (code, stdout.getvalue(), stderr.getvalue(), json.loads((out / "bench.json").read_text()),
-            readme.read_text())
+            page.read_text())
 
 
 def test_quick_run_has_a_row_per_contender_with_outputs_equal_to_eager(smoke):
@@ -45,8 +51,10 @@ def test_quick_run_has_a_row_per_contender_with_outputs_equal_to_eager(smoke):
     assert code == 0
     rows = {cells[1]: cells for cells in (line.strip("|").split(" | ") for line in stdout.splitlines()
                                           if line.startswith("| "))}
-    onnx_left_out = "ONNX Runtime left out:" in stderr  # without onnxruntime installed: one line says so
-    expected = [name for name in SMOKE_CONTENDERS if not (name == "ONNX Runtime" and onnx_left_out)]
+    left_out = {name for name in OPTIONAL
+                if re.search(rf"resnet: {name} left out: \w+ is not installed \(pip install 'graphopt\[bench\]'\)",
+                             stderr)}
+    expected = [name for name in SMOKE_CONTENDERS if name not in left_out]
     for name in expected:
         assert name.strip() in {key.strip() for key in rows}, f"no row for {name}"
     for key, cells in rows.items():
@@ -55,23 +63,29 @@ def test_quick_run_has_a_row_per_contender_with_outputs_equal_to_eager(smoke):
     assert "NO (" not in stdout
 
 
-def test_readme_section_is_replaced_by_the_tables_and_the_command(smoke):
-    _, stdout, _, _, readme = smoke
-    before, _, rest = readme.partition("<!-- graphopt bench: start -->\n")
+def test_docs_section_is_replaced_by_the_tables_and_the_command(smoke):
+    _, stdout, _, _, page = smoke
+    before, _, rest = page.partition("<!-- graphopt bench: start -->\n")
     section, _, after = rest.partition("<!-- graphopt bench: end -->")
-    assert before == "# A project\n\n## Measured\n\n" and after == "\n\n## Layout\n"
+    assert before == "# Benchmarks\n\nHow.\n\n" and after == "\n\n## After\n"
     assert "old tables" not in section
     assert section.startswith("_Written by `graphopt bench --quick --workloads resnet")
     tables = [line for line in stdout.splitlines() if line.startswith("| ")]
     assert tables and all(line in section.splitlines() for line in tables)
 
 
-def test_readme_without_the_markers_is_refused_before_anything_runs(tmp_path, capsys):
-    readme = tmp_path / "README.md"
-    readme.write_text("# no section\n")
-    assert main([*SMOKE, "--out", str(tmp_path), "--readme", str(readme)]) == 2
+def test_docs_page_without_the_markers_is_refused_before_anything_runs(tmp_path, capsys):
+    page = tmp_path / "benchmarks.md"
+    page.write_text("# no section\n")
+    assert main([*SMOKE, "--out", str(tmp_path), "--docs", str(page)]) == 2
     assert "has no measured section: add a line '<!-- graphopt bench: start -->'" in capsys.readouterr().err
     assert not (tmp_path / "bench.json").exists()
+
+
+def test_docs_without_a_file_writes_the_benchmarks_page(monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(tmp_path)  # no docs/benchmarks.md here: refused, naming the default page
+    assert main(["bench", "--docs"]) == 2
+    assert "--docs docs/benchmarks.md:" in capsys.readouterr().err
 
 
 def test_quick_run_writes_every_figure_to_json(smoke):
@@ -90,10 +104,11 @@ def test_quick_run_writes_every_figure_to_json(smoke):
         assert len(row["times_us"]) == 2 and row["outputs_equal"]
     by_name = {row["contender"]: row for row in case["rows"]}
     assert "replays" in by_name["graphopt L1 + host graphs"]["note"]
+    assert by_name["graphopt L1 + host graphs"]["reasons"] == []
 
 
-def _row(name, median, competitor=True, equal=True):
-    return Row(name, competitor, [median, median * 2, median / 2], equal, 0.0)
+def _row(name, median, competitor=True, equal=True, note="", reasons=()):
+    return Row(name, competitor, [median, median * 2, median / 2], equal, 0.0, note, list(reasons))
 
 
 def test_ratios_are_against_eager_the_fastest_matching_competitor_and_the_floor():
@@ -144,15 +159,79 @@ def test_tables_show_a_floor_row_mark_mismatches_and_render_as_markdown():
                         floor_us=25.0, floor_how="the step's 2 linears alone")
     result.rows[1].max_diff = 0.25
     fill_ratios(result)
-    headers, rows, mismatched = output.result_cells([result])
+    table = output.result_cells([result], wide=True)
+    headers, rows = table.headers, table.rows
     assert "vs GEMM floor" in headers
     assert [r[1] for r in rows] == ["eager", "graphopt L1", "GEMM floor"]
-    assert mismatched == [False, True, False]
+    assert table.mismatched == [False, True, False]
     assert rows[1][headers.index("outputs = eager")] == "NO (max |diff| 0.25)"
     assert rows[1][headers.index("vs eager")] == "2.00x"
     assert rows[1][headers.index("vs GEMM floor")] == "2.00x"
-    text = output.markdown("decoder", "cpu", ["a", "b|c"], [["1", "x|y"]])
-    assert text == "**decoder**\n\n| a | b\\|c |\n| --- | --- |\n| 1 | x\\|y |\n\n_cpu_"
+    assert rows[2][headers.index("note")] == "[1]" and table.notes == ["the step's 2 linears alone"]
+    narrow = output.result_cells([result])  # no output-check column: the note says it
+    assert narrow.rows[1][narrow.headers.index("note")] == "outputs differ: NO (max |diff| 0.25)"
+    text = output.markdown("decoder", "cpu", output.Cells(["a", "b|c"], [["1", "x|y"]], [False], ["why"]))
+    assert text == "**decoder**\n\n| a | b\\|c |\n| --- | --- |\n| 1 | x\\|y |\n\n_cpu_\n\n- [1] why"
+
+
+def _worst_case() -> list[CaseResult]:
+    """Every CUDA contender (the longest names) on the decoder's stream case and on a
+    decode step with a floor, with long fallback reasons shared between rows."""
+    from graphopt.bench.contenders import contenders
+
+    why = ("use_cudagraph with graph_opt_level=2 on CPU: Inductor's C++ kernels bypass the dispatcher and "
+           "cannot be recorded on a host graph; the compiled kernels run directly")
+    cases = []
+    for name, floor in (("stream of batches 13,16,6,1,4,12,4,8 x 4 steps", None), ("decode step, batch 16", 3854.0)):
+        rows = [_row(c.name, 12_345.6 + i, c.competitor, note="36 captures, 784 replays, 34 recaptures, partly "
+                     "fell back" if c.device_graphs else "", reasons=[why, why + " (2)"] if c.device_graphs else [])
+                for i, c in enumerate(contenders("cuda"))]
+        result = CaseResult(name, "tokens", 16, rows, floor_us=floor,
+                            floor_how="the step's 29 linears alone, one aten mm each" if floor else "")
+        fill_ratios(result)
+        cases.append(result)
+    return cases
+
+
+def _rendered(table, wide):
+    console = Console(width=400, record=True, file=io.StringIO())  # room to spare: the table's own width shows
+    console.print(output.rich_table("decoder", "cpu (AMD EPYC) · torch 2.13.0+cpu · 1 thread(s) · median of "
+                                    "10 interleaved rounds", table, wide))
+    return console.export_text().splitlines()
+
+
+def test_default_table_fits_120_columns_with_long_notes_numbered_below():
+    table = output.result_cells(_worst_case())
+    lines = _rendered(table, wide=False)
+    assert max(map(len, lines)) <= 120, "\n".join(lines)
+    assert table.headers == ["case", "contender", "median", "vs eager", "vs best competitor", "vs GEMM floor",
+                             "note"]
+    assert len(table.notes) == 3  # each reason once, however many rows share it; the floor's how
+    assert output.numbered(table.notes)[0].startswith("[1] use_cudagraph with graph_opt_level=2")
+    notes = [row[-1] for row in table.rows]
+    assert "36 captures, 784 replays, 34 recaptures, partly fell back [1][2]" in notes and "[3]" in notes
+    assert not any("Inductor" in cell for row in table.rows for cell in row)
+
+
+def test_wide_table_has_every_column():
+    table = output.result_cells(_worst_case(), wide=True)
+    assert table.headers == ["case", "contender", "median", "best", "throughput", "vs eager",
+                             "vs best competitor", "vs GEMM floor", "warm-up", "outputs = eager", "note"]
+    assert all(len(row) == len(table.headers) for row in table.rows)
+    assert max(map(len, _rendered(table, wide=True))) > 120  # nothing wraps: as wide as its cells
+
+
+def test_openvino_is_left_out_with_the_reason_when_it_cannot_run(monkeypatch):
+    from graphopt.bench.contenders import Unavailable, build, contenders
+
+    openvino = next(c for c in contenders("cpu") if c.key == "openvino")
+    workload = decoder(Sizes(quick=True, device="cpu"))
+    with pytest.raises(Unavailable, match="CPU here; left out with --device cuda"):
+        build(openvino, workload, "cuda")
+    monkeypatch.setitem(sys.modules, "openvino", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "openvino.torch", None)
+    with pytest.raises(Unavailable, match=r"openvino is not installed \(pip install 'graphopt\[bench\]'\)"):
+        build(openvino, workload, "cpu")
 
 
 def test_durations_keep_a_readable_unit():
@@ -188,6 +267,7 @@ def test_level_2_rows_say_host_graphs_fall_back_on_cpu(tmp_path, capsys):
     figures = json.loads((tmp_path / "bench.json").read_text())
     rows = {row["contender"]: row for row in figures["workloads"]["resnet"]["cases"][0]["rows"]}
     assert rows["graphopt L2"]["outputs_equal"] and rows["graphopt L2 + host graphs"]["outputs_equal"]
-    assert rows["graphopt L2 + host graphs"]["note"].startswith("fallback (")
-    assert "use_cudagraph with graph_opt_level=2 on CPU" in rows["graphopt L2 + host graphs"]["note"]
-    assert "fallback" in capsys.readouterr().out
+    assert rows["graphopt L2 + host graphs"]["note"] == "fallback"
+    assert "use_cudagraph with graph_opt_level=2 on CPU" in rows["graphopt L2 + host graphs"]["reasons"][0]
+    out = capsys.readouterr().out
+    assert "fallback [1]" in out and "[1] use_cudagraph with graph_opt_level=2 on CPU" in out

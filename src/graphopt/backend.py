@@ -52,7 +52,7 @@ class NotStorable(Exception):
 
 
 def inductor_options(device_type: str, cached: bool) -> dict[str, Any]:
-    """The Inductor settings graphopt uses at level 2 (measured: README, "Level 2")."""
+    """The Inductor settings graphopt uses at level 2 (measured: docs/configuration.md)."""
     options: dict[str, Any] = {
         # Without graphopt's cache a hit in Inductor's would skip the passes and leave
         # the report without them; with it, graphopt's cache holds their records.
@@ -103,7 +103,7 @@ class Backend:
         self._report.notes += kept
         self.cache = BackendCache(self.config, self._report)
         if self.config.graph_opt_level == 2 and not torch.cuda.is_available():
-            _compat.check_cpu_isas_early()  # README, "Start-up": 4 s off a cold start
+            _compat.check_cpu_isas_early()  # docs/compile-cache.md: 4 s off a cold start
 
     def report(self) -> Report:
         return self._report

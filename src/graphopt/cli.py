@@ -1,7 +1,7 @@
 """The `graphopt` command line. `graphopt demo` generates tokens with the reference
 decoder at each graph_opt_level and prints their speed next to eager's; `graphopt
 bench` times named workloads for every contender (eager, torch.compile, graphopt's
-levels with and without device graphs, ONNX Runtime) and writes the figures."""
+levels with and without device graphs, ONNX Runtime, OpenVINO) and writes the figures."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from .config import GRAPH_OPT_LEVELS, GraphOptimizationConfig
 from .models import Decoder, DecoderConfig, generate
 
 TINY = DecoderConfig.tiny()
+DOCS_PAGE = Path("docs/benchmarks.md")  # where `graphopt bench --docs` writes, from the checkout's root
 
 
 @dataclass
@@ -198,7 +199,8 @@ def _bench_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "bench", help="time named workloads for every contender and write a table, a JSON and a plot",
         description="Where graphopt stands on this machine: each workload run by eager, torch.compile, "
-                    "graphopt levels 0-2 with and without device graphs, and ONNX Runtime (when installed), "
+                    "graphopt levels 0-2 with and without device graphs, and ONNX Runtime and OpenVINO "
+                    "(when installed), "
                     "timed in interleaved rounds in one process, every output checked against eager's; "
                     "start-up (cold and warm) and peak memory in fresh processes.")
     parser.add_argument("--workloads", type=_names(list(bench.WORKLOADS)), default=list(bench.WORKLOADS),
@@ -220,10 +222,13 @@ def _bench_parser(commands: argparse._SubParsersAction) -> None:
                         help="where bench.json and bench.png go (default: benchmarks/out/bench)")
     parser.add_argument("--markdown", action="store_true",
                         help="print the tables as Markdown")
-    parser.add_argument("--readme", type=Path, default=None, metavar="FILE",
-                        help="also write the Markdown tables into FILE, between its lines "
-                             "'<!-- graphopt bench: start -->' and '<!-- graphopt bench: end -->' "
-                             "(how the README's Measured section is made)")
+    parser.add_argument("--wide", action="store_true",
+                        help="every column: best time, throughput, warm-up and the output check too "
+                             "(the default table fits 120 columns)")
+    parser.add_argument("--docs", type=Path, nargs="?", const=DOCS_PAGE, default=None, metavar="FILE",
+                        help=f"also write the Markdown tables into FILE (default: {DOCS_PAGE}), between its "
+                             "lines '<!-- graphopt bench: start -->' and '<!-- graphopt bench: end -->' "
+                             "(how the docs' benchmarks page is made)")
 
 
 def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -231,11 +236,11 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print("graphopt bench: --device cuda, but torch sees no CUDA device (torch.cuda.is_available() "
               "is False); run on a GPU machine or use --device cpu", file=sys.stderr)
         return 2
-    if args.readme is not None:
+    if args.docs is not None:
         try:
-            bench.measured_section(args.readme.read_text())
+            bench.measured_section(args.docs.read_text())
         except (OSError, ValueError) as error:
-            print(f"graphopt bench: --readme {args.readme}: {error}", file=sys.stderr)
+            print(f"graphopt bench: --docs {args.docs}: {error}", file=sys.stderr)
             return 2
     options = bench.Options(args.workloads, args.contenders, args.device, args.quick,
                             args.rounds or (2 if args.quick else 10),
@@ -243,9 +248,9 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
                             shlex.join(["graphopt", *argv]))
     console = Console()
     if not console.is_terminal:
-        console = Console(width=220)  # no wrapped columns in a log or a pipe
+        console = Console(width=220)  # in a log or a pipe, --wide's columns unwrapped
     results = bench.run(options, console)
-    return bench.write(results, options, args.out, args.markdown, console, args.readme)
+    return bench.write(results, options, args.out, args.markdown, console, args.docs, args.wide)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,7 +2,8 @@
 rounds, checked against eager, written as tables, JSON and a plot.
 
 workloads.py  the models (random weights from configs) and the cases each is timed on
-contenders.py eager, torch.compile, graphopt levels with and without device graphs, ONNX Runtime
+contenders.py eager, torch.compile, graphopt levels with and without device graphs, ONNX Runtime,
+              OpenVINO
 measure.py    warm-up, interleaved rounds, output checks, ratios, the GEMM floor
 startup.py    cold and warm start-up and peak memory, in fresh processes
 suite.py      each workload through every contender
@@ -22,9 +23,9 @@ from .workloads import WORKLOADS
 
 
 def write(results: list[WorkloadResult], options: Options, out: Path, as_markdown: bool, console: Console,
-          readme: Path | None = None) -> int:
+          docs: Path | None = None, wide: bool = False) -> int:
     """Print and write `results`; 1 when some contender's outputs differ from eager's."""
-    return present(results, setup(options), out, as_markdown, console, readme)
+    return present(results, setup(options), out, as_markdown, console, docs, wide)
 
 
 __all__ = ["WORKLOADS", "Options", "WorkloadResult", "contenders", "measured_section", "run", "write"]

@@ -1,12 +1,14 @@
 """The contenders: eager, `torch.compile`, graphopt's levels with and without
-device graphs, and ONNX Runtime when it is installed. Each one turns a workload's
-target into a step the workload's cases can call."""
+device graphs, and ONNX Runtime and OpenVINO's `torch.compile` backend when they
+are installed. Each one turns a workload's target into a step the workload's cases
+can call."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import logging
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +30,7 @@ class Contender:
 
     key: str
     name: str
-    kind: str                 # eager | torch.compile | graphopt | onnxruntime
+    kind: str                 # eager | torch.compile | graphopt | onnxruntime | openvino
     level: int = 0
     device_graphs: bool = False
     mode: str | None = None   # torch.compile's mode
@@ -40,7 +42,7 @@ class Contender:
         return self.kind != "graphopt"
 
 
-# Level 2's opt-in Inductor options per device (README, "Level 2's Inductor settings"):
+# Level 2's opt-in Inductor options per device (docs/configuration.md, "Level 2: Inductor"):
 # GEMMs autotuned over Inductor's templates, which pack the frozen weights.
 TUNED = {"cpu": {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"},
          "cuda": {"max_autotune": True}}
@@ -57,9 +59,11 @@ def contenders(device: str) -> list[Contender]:
     for level in (0, 1, 2):
         found.append(Contender(f"L{level}", f"graphopt L{level}", "graphopt", level))
         found.append(Contender(f"L{level}+graphs", f"graphopt L{level} + {graphs}", "graphopt", level, True))
-    found.append(Contender("L2+tuned", "graphopt L2 frozen, autotuned GEMMs" + (f" + {graphs}" if cuda else ""),
+    # "tuned": frozen weights and Inductor's autotuned GEMMs (TUNED); a short name keeps the table narrow.
+    found.append(Contender("L2+tuned", "graphopt L2 tuned" + (f" + {graphs}" if cuda else ""),
                            "graphopt", 2, device_graphs=cuda, tuned=True))
     found.append(Contender("onnxruntime", "ONNX Runtime", "onnxruntime"))
+    found.append(Contender("openvino", "OpenVINO", "openvino"))
     return found
 
 
@@ -75,6 +79,8 @@ def build(contender: Contender, workload: Workload, device: str) -> Step:
         config = GraphOptimizationConfig(graph_opt_level=contender.level, use_cudagraph=contender.device_graphs,
                                          cudagraph_capture_sizes=workload.capture_sizes, **tuned)
         return workload.bind(lambda target: optimize(target, config, pad_values=workload.pad_values))
+    if contender.kind == "openvino":
+        return _openvino(workload, device)
     if device.startswith("cuda"):
         raise Unavailable("ONNX Runtime runs on the CPU here; left out with --device cuda")
     if workload.onnx_unsupported:
@@ -86,6 +92,22 @@ def build(contender: Contender, workload: Workload, device: str) -> Step:
     except ImportError as error:
         raise Unavailable(f"{error.name} is not installed (pip install 'graphopt[bench]')") from None
     return workload.bind(lambda target: OnnxStep(target, onnxruntime))
+
+
+def _openvino(workload: Workload, device: str) -> Step:
+    """`torch.compile(backend="openvino")`: OpenVINO's own Dynamo backend, which runs
+    the graph's supported partitions with OpenVINO's CPU plugin and the rest with torch."""
+    if device.startswith("cuda"):
+        raise Unavailable("OpenVINO's torch.compile backend runs on the CPU here; left out with --device cuda")
+    try:
+        with warnings.catch_warnings():  # it probes a deprecated Dynamo setting at import
+            warnings.simplefilter("ignore", FutureWarning)
+            import openvino.torch  # noqa: F401  (registers the backend name "openvino")
+    except ImportError:
+        raise Unavailable("openvino is not installed (pip install 'graphopt[bench]')") from None
+    # The same threads as torch's contenders; OpenVINO would otherwise take every core.
+    options = {"device": "CPU", "config": {"INFERENCE_NUM_THREADS": str(torch.get_num_threads())}}
+    return workload.bind(lambda target: torch.compile(target, backend="openvino", options=options))
 
 
 class OnnxStep:
@@ -136,19 +158,20 @@ def _quiet() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def describe(step: Step, contender: Contender) -> str:
-    """What a graphopt step's report says about its device graphs: how many were
-    captured and replayed, or that it fell back, and why."""
+def describe(step: Step, contender: Contender) -> tuple[str, list[str]]:
+    """What a graphopt step's report says about its device graphs: a short note (how
+    many were captured and replayed, or that it fell back) and the fallbacks' reasons,
+    which are long and go below the table."""
     if contender.kind != "graphopt":
-        return ""
+        return "", []
     report_of: Callable | None = getattr(step, "report", None) or getattr(step.forward, "report", None)
     report = report_of()
     reasons = [reason for reason in report.fallbacks if reason.startswith("use_cudagraph")]
     if not contender.device_graphs:
-        return f"{len(report.graphs)} graph{'s' * (len(report.graphs) != 1)}" if report.graphs else ""
+        return (f"{len(report.graphs)} graph{'s' * (len(report.graphs) != 1)}" if report.graphs else ""), []
+    if report.replays == 0:  # every call ran without a device graph
+        return "fallback", reasons or ["no device graph was replayed"]
     note = f"{len(report.captures)} captures, {report.replays} replays"
     if report.recaptures:
         note += f", {report.recaptures} recaptures"
-    if report.replays == 0:  # every call ran without a device graph
-        return f"fallback ({note}): " + ("; ".join(reasons) or "no device graph was replayed")
-    return note + "".join(f"; partly fell back: {reason}" for reason in reasons)
+    return note + (", partly fell back" if reasons else ""), reasons

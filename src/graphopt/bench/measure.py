@@ -28,7 +28,8 @@ class Row:
     times_us: list[float]
     outputs_equal: bool
     max_diff: float
-    note: str = ""
+    note: str = ""                            # short: the table's note column
+    reasons: list[str] = field(default_factory=list)  # why it fell back: long, numbered below the table
     warmup_s: float = 0.0                     # the warm-up calls together: compiling and capturing
     vs_eager: float = float("nan")            # eager's time / this one's: > 1 is faster than eager
     vs_competitor: float = float("nan")       # the best competitor's time / this one's

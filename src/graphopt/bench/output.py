@@ -2,12 +2,15 @@
 Markdown), a JSON of every figure, and a plot when matplotlib is installed.
 
 A table is built once as plain cells and rendered either way, so the Markdown
-that goes into the README says exactly what the terminal said."""
+that goes into the docs says exactly what the terminal said. The default table
+fits a 120-column terminal: long notes (why a contender fell back) are numbered
+below it, and `wide` adds every other column."""
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,29 +34,65 @@ def ratio(value: float | None) -> str:
     return "-" if value is None or math.isnan(value) else f"{value:.2f}x"
 
 
-def result_cells(results: list[CaseResult]) -> tuple[list[str], list[list[str]], list[bool]]:
-    """(headers, one row of cells per contender and case, whether each row's outputs
-    differ from eager's). The GEMM-floor column is there when some case has a floor."""
+# The default table's wrapping columns and their widths: with them the worst case
+# (the decoder's stream case, CUDA's longest contender names, a floor column) fits
+# 120 terminal columns; tests/test_bench.py renders it.
+WRAP = {"case": 15, "contender": 25, "vs best competitor": 10, "vs GEMM floor": 7, "note": 26}
+
+
+@dataclass
+class Cells:
+    """One table as plain text. `mismatched[i]`: row i's outputs differ from eager's;
+    `notes`: the long notes that cells refer to as [1], [2], ..."""
+
+    headers: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+    mismatched: list[bool] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def refer(self, reasons: list[str]) -> str:
+        """Markers for `reasons`, numbered once per table however many rows share one."""
+        for reason in reasons:
+            if reason not in self.notes:
+                self.notes.append(reason)
+        return "".join(f"[{self.notes.index(reason) + 1}]" for reason in reasons)
+
+
+def result_cells(results: list[CaseResult], wide: bool = False) -> Cells:
+    """A workload's cases as one table: a row per contender and case, and the GEMM
+    floor's row where a case has one (its column only then). By default the columns a
+    terminal needs; `wide` adds best time, throughput, warm-up and the output check."""
     floors = any(r.floor_us for r in results)
-    headers = ["case", "contender", "median", "best", "throughput", "vs eager", "vs best competitor"]
-    headers += ["vs GEMM floor"] if floors else []
-    headers += ["outputs = eager", "note"]
-    rows, mismatched = [], []
+    headers = ["case", "contender", "median"] + (["best", "throughput"] if wide else [])
+    headers += ["vs eager", "vs best competitor"] + (["vs GEMM floor"] if floors else [])
+    headers += (["warm-up", "outputs = eager"] if wide else []) + ["note"]
+    table = Cells(headers)
     for result in results:
         for i, row in enumerate(result.rows):
-            per_s = result.items / (row.median_us * 1e-6)
-            cells = [result.case if i == 0 else "", row.contender, duration(row.median_us),
-                     duration(row.best_us), f"{per_s:,.0f} {result.unit}/s", ratio(row.vs_eager),
-                     "(best)" if row.contender == result.best_competitor else ratio(row.vs_competitor)]
-            cells += [ratio(row.vs_floor)] if floors else []
-            cells += [equality(row), row.note]
-            rows.append(cells)
-            mismatched.append(not row.outputs_equal)
+            cells = {"case": result.case if i == 0 else "", "contender": row.contender,
+                     "median": duration(row.median_us), "best": duration(row.best_us),
+                     "throughput": f"{result.items / (row.median_us * 1e-6):,.0f} {result.unit}/s",
+                     "vs eager": ratio(row.vs_eager), "vs GEMM floor": ratio(row.vs_floor),
+                     "vs best competitor": "(best)" if row.contender == result.best_competitor
+                     else ratio(row.vs_competitor),
+                     "warm-up": f"{row.warmup_s:.1f} s", "outputs = eager": equality(row),
+                     "note": note(row, table, wide)}
+            table.rows.append([cells[header] for header in headers])
+            table.mismatched.append(not row.outputs_equal)
         if result.floor_us:
-            rows.append(["", "GEMM floor", duration(result.floor_us), "", "", "", "", "1.00x", "",
-                         result.floor_how])
-            mismatched.append(False)
-    return headers, rows, mismatched
+            floor = {"contender": "GEMM floor", "median": duration(result.floor_us), "vs GEMM floor": "1.00x",
+                     "note": table.refer([result.floor_how])}
+            table.rows.append([floor.get(header, "") for header in headers])
+            table.mismatched.append(False)
+    return table
+
+
+def note(row: Row, table: Cells, wide: bool) -> str:
+    """The note column: the row's short note and markers for its long reasons; in the
+    default table, which has no output-check column, a mismatch first."""
+    parts = [] if wide or row.outputs_equal else [f"outputs differ: {equality(row)}"]
+    parts += [row.note] if row.note else []
+    return " ".join(parts + [table.refer(row.reasons)]).strip()
 
 
 def equality(row: Row) -> str:
@@ -62,39 +101,46 @@ def equality(row: Row) -> str:
     return f"NO (max |diff| {row.max_diff:.2g})"
 
 
-def startup_cells(startup: dict[str, dict[str, Any]], device: str) -> tuple[list[str], list[list[str]]]:
+def startup_cells(startup: dict[str, dict[str, Any]], device: str) -> Cells:
+    """A workload's start-up runs; a failed run's error is a numbered note."""
     memory = "peak allocated" if device.startswith("cuda") else "peak RSS"
-    headers = ["contender", "cold start", "warm start", f"{memory} (cold)"]
-    rows = []
+    table = Cells(["contender", "cold start", "warm start", f"{memory} (cold)"])
     for name, found in startup.items():
         if "error" in found:
-            rows.append([name, "failed", "", found["error"]])
+            table.rows.append([name, f"failed {table.refer([found['error']])}", "", ""])
         else:
-            rows.append([name, f"{found['cold_s']:.1f} s", f"{found['warm_s']:.1f} s",
-                         f"{found['peak_mib']:,.0f} MiB"])
-    return headers, rows
-
-
-def rich_table(title: str, caption: str, headers: list[str], rows: list[list[str]],
-               mismatched: list[bool] | None = None) -> Table:
-    table = Table(title=title, caption=caption, caption_justify="left")
-    for header in headers:
-        table.add_column(header, justify="left" if header in ("case", "contender", "note") else "right",
-                         overflow="fold")
-    for i, cells in enumerate(rows):
-        if i and headers[0] == "case" and cells[0]:  # a new case
-            table.add_section()
-        table.add_row(*cells, style="bold red" if mismatched and mismatched[i] else None)
+            table.rows.append([name, f"{found['cold_s']:.1f} s", f"{found['warm_s']:.1f} s",
+                               f"{found['peak_mib']:,.0f} MiB"])
+        table.mismatched.append(False)
     return table
 
 
-def markdown(title: str, caption: str, headers: list[str], rows: list[list[str]]) -> str:
-    """A GitHub Markdown table: a bold title line, the table, the caption in italics."""
+def rich_table(title: str, caption: str, table: Cells, wide: bool = False) -> Table:
+    """The table for a terminal; without `wide`, the WRAP columns wrap at their widths."""
+    found = Table(title=title, caption=caption, caption_justify="left")
+    for header in table.headers:
+        found.add_column(header, justify="left" if header in ("case", "contender", "note") else "right",
+                         overflow="fold", max_width=None if wide else WRAP.get(header))
+    for i, cells in enumerate(table.rows):
+        if i and table.headers[0] == "case" and cells[0]:  # a new case
+            found.add_section()
+        found.add_row(*cells, style="bold red" if table.mismatched[i] else None)
+    return found
+
+
+def numbered(notes: list[str]) -> list[str]:
+    return [f"[{i}] {text}" for i, text in enumerate(notes, 1)]
+
+
+def markdown(title: str, caption: str, table: Cells) -> str:
+    """A GitHub Markdown table: a bold title line, the table, the caption in italics,
+    then the numbered notes as a list."""
     def line(cells: list[str]) -> str:
         return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
 
-    body = [line(headers), line(["---"] * len(headers))] + [line(cells) for cells in rows]
-    return "\n".join([f"**{title}**", "", *body, "", f"_{caption}_"])
+    body = [line(table.headers), line(["---"] * len(table.headers))] + [line(cells) for cells in table.rows]
+    notes = ["", *(f"- {text}" for text in numbered(table.notes))] if table.notes else []
+    return "\n".join([f"**{title}**", "", *body, "", f"_{caption}_", *notes])
 
 
 def to_json(setup: dict[str, Any], workloads: dict[str, dict[str, Any]]) -> str:
@@ -108,7 +154,7 @@ def to_json(setup: dict[str, Any], workloads: dict[str, dict[str, Any]]) -> str:
                           "best_us": r.best_us, "times_us": [round(t, 2) for t in r.times_us],
                           "vs_eager": r.vs_eager, "vs_best_competitor": r.vs_competitor,
                           "vs_floor": r.vs_floor, "outputs_equal": r.outputs_equal, "max_abs_diff": r.max_diff,
-                          "note": r.note, "warmup_s": r.warmup_s} for r in result.rows]}
+                          "note": r.note, "reasons": r.reasons, "warmup_s": r.warmup_s} for r in result.rows]}
 
     out = {name: {**found, "cases": [case(r) for r in found["cases"]]} for name, found in workloads.items()}
     return json.dumps({"setup": setup, "workloads": out}, indent=2, allow_nan=True)
@@ -149,29 +195,31 @@ def plot(workloads: dict[str, dict[str, Any]], path: Path) -> str:
 
 
 def present(results: list[WorkloadResult], setup: dict[str, Any], out: Path, as_markdown: bool,
-            console: Console, readme: Path | None = None) -> int:
-    """Print every workload's tables (rich, or Markdown on stdout) and one line per
-    contender without a row, write bench.json and bench.png under `out`, and with
-    `readme` the Markdown tables into that file's measured section; 1 when some
-    contender's outputs differ from eager's, else 0."""
+            console: Console, docs: Path | None = None, wide: bool = False) -> int:
+    """Print every workload's tables (rich, or Markdown on stdout), each followed by
+    its numbered notes, and one line per contender without a row; write bench.json and
+    bench.png under `out`, and with `docs` the Markdown tables into that file's
+    measured section. 1 when some contender's outputs differ from eager's, else 0."""
     info = Console(stderr=True, soft_wrap=True) if as_markdown else console
     blocks: list[str] = []
     caption = (f"{setup['device']} ({setup['device_name']}) · torch {setup['torch']} · {setup['threads']} "
                f"thread(s) · median of {setup['rounds']} interleaved rounds · vs: speed-up of medians, "
                f"> 1 is faster · outputs within rtol/atol {tolerance_text(setup)} of eager's")
     for result in results:
-        tables = [(result.title, caption, *result_cells(result.cases))]
+        tables = [(result.title, caption, result_cells(result.cases, wide))]
         if result.startup:
             tables.append((f"{result.name}: start-up to the first output, in fresh processes",
                            "cold: an empty GRAPHOPT_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR; warm: the same "
                            "command again with that cache; every child imports graphopt, eager's too",
-                           *startup_cells(result.startup, setup["device"]), None))
-        for title, text, headers, rows, mismatched in tables:
-            blocks.append(markdown(title, text, headers, rows))
+                           startup_cells(result.startup, setup["device"])))
+        for title, text, table in tables:
+            blocks.append(markdown(title, text, table))
             if as_markdown:
                 print(blocks[-1] + "\n")
-            else:
-                console.print(rich_table(title, text, headers, rows, mismatched))
+                continue
+            console.print(rich_table(title, text, table, wide))
+            for line in numbered(table.notes):
+                console.print(line, highlight=False, markup=False)
         for name, why in result.skipped.items():
             info.print(f"{result.name}: {name} left out: {why}", highlight=False, markup=False, soft_wrap=True)
         blocks.extend(f"- {result.name}: {name} left out: {why}" for name, why in result.skipped.items())
@@ -181,9 +229,9 @@ def present(results: list[WorkloadResult], setup: dict[str, Any], out: Path, as_
     (out / "bench.json").write_text(to_json(setup, workloads))
     info.print(f"figures: {out / 'bench.json'}", highlight=False, markup=False)
     info.print(plot(workloads, out / "bench.png"), highlight=False, markup=False)  # "graphopt[bench]" is no markup
-    if readme is not None:
-        replace_measured(readme, "\n\n".join(blocks), setup)
-        info.print(f"tables written into {readme}", highlight=False, markup=False)
+    if docs is not None:
+        replace_measured(docs, "\n\n".join(blocks), setup)
+        info.print(f"tables written into {docs}", highlight=False, markup=False)
     differ = [(r.name, c.case, row.contender) for r in results for c in r.cases for row in c.rows
               if not row.outputs_equal]
     for workload, case, contender in differ:
@@ -201,7 +249,7 @@ MEASURED_END = "<!-- graphopt bench: end -->"
 
 
 def measured_section(text: str) -> tuple[int, int]:
-    """Where the two markers of a README's measured section are in `text`; ValueError without them."""
+    """Where the two markers of a page's measured section are in `text`; ValueError without them."""
     start, end = text.find(MEASURED_START), text.find(MEASURED_END)
     if start < 0 or end < start:
         raise ValueError(f"it has no measured section: add a line {MEASURED_START!r} and, below it, "
@@ -209,11 +257,11 @@ def measured_section(text: str) -> tuple[int, int]:
     return start, end
 
 
-def replace_measured(readme: Path, tables: str, setup: dict[str, Any]) -> None:
-    """Put `tables` between the two markers of `readme`, with the command that made
+def replace_measured(page: Path, tables: str, setup: dict[str, Any]) -> None:
+    """Put `tables` between the two markers of `page`, with the command that made
     them, replacing what was there; the rest of the file stays as it is."""
-    text = readme.read_text()
+    text = page.read_text()
     start, end = measured_section(text)
     made = (f"_Written by `{setup['command']}` on {setup['date']}; edit the command's output, "
             "not these lines._")
-    readme.write_text(f"{text[:start]}{MEASURED_START}\n{made}\n\n{tables}\n{text[end:]}")
+    page.write_text(f"{text[:start]}{MEASURED_START}\n{made}\n\n{tables}\n{text[end:]}")

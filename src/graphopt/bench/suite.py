@@ -36,7 +36,7 @@ class Options:
     rounds: int = 10
     startup: bool = True
     threads: int = 1
-    command: str = "graphopt bench"  # the command line, as the README's measured section cites it
+    command: str = "graphopt bench"  # the command line, as the docs' measured section cites it
 
     @property
     def target_s(self) -> float:
@@ -120,8 +120,9 @@ def _case(case: Case, steps: dict[str, Step], kinds: dict[str, Contender], optio
     result = CaseResult(case.name, case.unit, case.items, floor_us=floor_us, floor_how=floor_how)
     for name, step in steps.items():
         equal, diff = (True, 0.0) if name == EAGER else compare(outputs[name], outputs[EAGER])
-        result.rows.append(Row(name, kinds[name].competitor, times[name], equal, diff,
-                               describe(step, kinds[name]), warmup_s[name]))
+        note, reasons = describe(step, kinds[name])
+        result.rows.append(Row(name, kinds[name].competitor, times[name], equal, diff, note, reasons,
+                               warmup_s[name]))
     fill_ratios(result)
     return result
 
@@ -137,7 +138,7 @@ def setup(options: Options) -> dict[str, Any]:
         "tolerance": {str(d): tolerance(d) for d in (torch.float32, torch.bfloat16)},
         "statistic": "median of rounds (best also given); ratios of medians",
     }
-    for package in ("transformers", "onnxruntime", "onnx"):
+    for package in ("transformers", "onnxruntime", "onnx", "openvino"):
         try:
             found[package] = __import__(package).__version__
         except ImportError:

@@ -4,7 +4,7 @@ oneDNN (CPU) and cuDNN's tensor-core kernels (CUDA, half precision) compute an N
 convolution by reordering to a channels-last layout and back around every call. A
 region of convolutions, batch norms and pointwise ops that stays channels-last pays
 one conversion at each border instead. Measured on this project's CPU (1 thread,
-oneDNN, float32, README "Layout"): the ResNet-like reference model runs 0.83-0.89x
+oneDNN, float32, docs/passes.md, "Layout"): the ResNet-like reference model runs 0.83-0.89x
 the NCHW time with one conversion for nine convolutions, while one conv-bn-relu
 between two conversions runs 1.33x and three of them 1.06x (batch 1).
 
@@ -86,7 +86,7 @@ def convert_layout(gm: torch.fx.GraphModule) -> PassResult:
 def channels_last_faster(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether convolutions on `device` in `dtype` run faster channels-last.
 
-    CPU: oneDNN, float32 and bfloat16, measured (README "Layout"). CUDA: cuDNN's
+    CPU: oneDNN, float32 and bfloat16, measured (docs/passes.md, "Layout"). CUDA: cuDNN's
     tensor-core kernels are channels-last, so float16/bfloat16 (NVIDIA's guidance;
     not measured here). float32 on CUDA, and other devices: no.
     """
