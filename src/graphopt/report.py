@@ -111,6 +111,8 @@ class Report:
     pools: dict[int, int] = field(default_factory=dict)              # bytes of each graph pool
     batches: dict[int, str] = field(default_factory=dict)            # per runtime graph: its batch, and padding
     recaptures: int = 0
+    recapture_reasons: Counter = field(default_factory=Counter)  # "graph 1: input 10 is a new tensor and ..."
+    rebinds: int = 0          # new tensors in a static input's place that a device graph took without a capture
     replays: int = 0
     recompiles: int = 0       # graphs Dynamo compiled again after a guard failed
     cache_hits: int = 0       # graphs loaded from the compile cache (cache.py)
@@ -158,6 +160,8 @@ class Report:
             "batches": dict(self.batches),
             "pool_bytes": self.pool_bytes,
             "recaptures": self.recaptures,
+            "recapture_reasons": dict(self.recapture_reasons),
+            "rebinds": self.rebinds,
             "replays": self.replays,
             "recompiles": self.recompiles,
             "cache": {"hits": self.cache_hits, "misses": self.cache_misses, "rebuilt": self.cache_rebuilt,
@@ -194,7 +198,8 @@ class Report:
             sizes = ", ".join(str(c.size) for c in self.captures)
             lines.append(f"  device graphs: {len(self.captures)} captured (sizes {sizes or '-'}), pool "
                          f"{self.pool_bytes / 2**20:.2f} MiB, {self.replays} replays, "
-                         f"{self.recaptures} recaptures, {self.recompiles} recompiles")
+                         f"{self.recaptures} recaptures, {self.rebinds} rebinds, {self.recompiles} recompiles")
+            lines.extend(f"    {n} x recaptured: {reason}" for reason, n in self.recapture_reasons.items())
             lines.extend(f"    graph {graph}: {how}" for graph, how in self.batches.items())
             for piece in (p for graph in self.pieces for p in graph if len(graph) > 1):
                 how = "captured" if piece.split_reason is None else f"runs between replays: {piece.split_reason}"

@@ -9,8 +9,14 @@ and its fallbacks run.
 Per key: `cudagraph_num_of_warmups` warm-up runs (at least one), then the call
 that captures, then replays. At replay, an argument whose address changed since
 capture is copied into the captured one, unless it is a static argument
-(parameter, buffer, mutated input): then the graph is captured again, since the
-graph must read and write the caller's tensor itself. The first run (any key)
+(parameter, buffer, written input), which the graph must read and write itself.
+A static argument that is a new tensor of the same size, stride and dtype (the
+KV cache of a new `generate()`) is rebound where the device graph can (a host
+graph: `DeviceGraph.rebind`); otherwise (a CUDA graph, a new size, a parameter)
+the graph is captured again, with the reason in `report().recapture_reasons`.
+A host graph is captured on a private alias of each static argument that is not
+a parameter, so that rebinding moves the alias and never the caller's tensor,
+which keeps its memory and is not written again. The first run (any key)
 checks the callable for ops a device graph cannot replay; one found refuses
 capture for good, with the op and the user's line in the report. It also notes
 the process groups the callable communicates over: then each capture ends with
@@ -68,7 +74,7 @@ class Pool:
 class _Entry:
     warmups_left: int
     graph: DeviceGraph | None = None
-    inputs: list[tuple] = field(default_factory=list)  # (index, tensor, address, static) the capture read
+    inputs: list[tuple] = field(default_factory=list)  # (index, tensor the capture read, how a new one is taken)
     outputs: Any = None                               # what every replay writes
 
 
@@ -100,7 +106,8 @@ class CapturedGraph:
         if entry is None:
             entry = self.entries[key] = _Entry(self.warmups)
         if entry.graph is not None:
-            if self._bring_inputs(entry, args):
+            recapture = self._bring_inputs(entry, args)
+            if recapture is None:
                 entry.graph.replay()
                 self.report.replays += 1
                 self.record.replays += 1
@@ -109,6 +116,7 @@ class CapturedGraph:
             entry.graph.reset()
             self.entries[key] = entry = _Entry(self.warmups)
             self.report.recaptures += 1
+            self.report.recapture_reasons[f"{self.name}: {recapture}"] += 1
         if not self.checked:
             return self._first_run(key, args)
         if entry.warmups_left > 0:
@@ -135,6 +143,9 @@ class CapturedGraph:
         start = time.perf_counter()
         device = _device(args)
         graph = DeviceGraph(device, self.config.capture_error_mode, self.pool.get(device))
+        hows = [_how(a, static) for a, static in zip(args, self.static)]
+        if graph.rebinds:
+            args = tuple(_alias(a) if how == "rebind" else a for a, how in zip(args, hows))
         outputs, error = None, None
         graph.capture_begin()
         try:
@@ -156,7 +167,7 @@ class CapturedGraph:
             self.report.fallback(f"use_cudagraph: host graphs replay from Python (~3 us more per op): "
                                  f"{graph.replay_fallback}")
         entry.graph, entry.outputs = graph, outputs
-        entry.inputs = [(i, a, a.data_ptr(), self.static[i]) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        entry.inputs = [(i, a, how) for i, (a, how) in enumerate(zip(args, hows)) if isinstance(a, torch.Tensor)]
         self.owns_outputs = True
         self.record.captures += 1
         self.report.captures.append(CaptureRecord(key[0], graph.nbytes, time.perf_counter() - start, self.name))
@@ -180,17 +191,24 @@ class CapturedGraph:
             raise error  # the step itself raised part-way: there is no result to give
         return outputs
 
-    def _bring_inputs(self, entry: _Entry, args: tuple) -> bool:
-        """Make the captured inputs hold this call's: copy an argument that is not
-        the captured tensor into it. False when a static argument (parameter, buffer,
-        mutated input) is not the captured tensor: the graph must be captured again."""
-        for i, captured, address, static in entry.inputs:
+    def _bring_inputs(self, entry: _Entry, args: tuple) -> str | None:
+        """Make the captured inputs hold this call's: copy in an argument that is
+        not the captured tensor, rebind the graph to a static one that is new.
+        Returns why the graph must be captured again instead, or None."""
+        rebound = 0
+        for i, captured, how in entry.inputs:
             value = args[i]
-            if value.data_ptr() != address:
-                if static:
-                    return False
+            if value.data_ptr() == captured.data_ptr():
+                continue
+            if how == "copy":
                 captured.copy_(value)
-        return True
+                continue
+            why = "it is a parameter" if how == "recapture" else entry.graph.rebind(captured, value)
+            if why is not None:
+                return f"input {i} is a new tensor and {why}"
+            rebound += 1
+        self.report.rebinds += rebound
+        return None
 
     def _pool_bytes(self) -> int:
         """A shared pool's size: a host pool knows its arena's; a CUDA pool is
@@ -198,6 +216,24 @@ class CapturedGraph:
         if isinstance(getattr(self.pool.handle, "nbytes", None), int):
             return self.pool.handle.nbytes
         return max((e.graph.nbytes for e in self.entries.values() if e.graph is not None), default=0)
+
+
+def _how(value: Any, static: bool) -> str:
+    """How a replay takes a new tensor in this argument's place: "copy" it into
+    the captured one, "rebind" the graph to it, or "recapture". A parameter keeps
+    being captured again: Dynamo's guards recompile for a reassigned one first,
+    so this is rare, and an alias would not carry its `requires_grad`."""
+    if not static or not isinstance(value, torch.Tensor):
+        return "copy"
+    return "recapture" if isinstance(value, torch.nn.Parameter) else "rebind"
+
+
+def _alias(value: torch.Tensor) -> torch.Tensor:
+    """A new tensor object on `value`'s memory, with its size, stride and offset:
+    what the graph is captured on, so that a rebind moves it and not `value`."""
+    with torch.inference_mode(value.is_inference()):
+        return torch.empty(0, dtype=value.dtype, device=value.device).set_(
+            value.untyped_storage(), value.storage_offset(), value.size(), value.stride())
 
 
 def _device(args: tuple) -> torch.device:

@@ -30,6 +30,7 @@ def on_capture_stream(device: torch.device) -> Iterator[torch.cuda.Stream]:
 
 class CudaGraph:
     executes_during_capture = False  # a stream capture records without running
+    rebinds = False  # a graph's kernels hold its inputs' addresses
 
     def __init__(self, device: torch.device, mode: str, pool: Any = None):
         self.device = device
@@ -74,6 +75,9 @@ class CudaGraph:
 
     def replay(self) -> None:
         self.graph.replay()
+
+    def rebind(self, old: torch.Tensor, new: torch.Tensor) -> str | None:
+        return "a CUDA graph reads and writes its inputs at the addresses it captured"
 
     def reset(self) -> None:
         self.graph.reset()

@@ -80,6 +80,19 @@ class DeviceGraph:
         """End a capture whose step raised, and free what it recorded."""
         self._graph.abort()
 
+    def rebind(self, old: torch.Tensor, new: torch.Tensor) -> str | None:
+        """Make the graph read and write `new`, a tensor of the same size, stride
+        and dtype, wherever it reads and writes `old`, one of its inputs, without
+        capturing again. A host graph can (its tape holds tensors, and `old` must be
+        a tensor only the graph holds); a CUDA graph holds addresses and cannot.
+        Returns None when done, else why not."""
+        return self._graph.rebind(old, new)
+
+    @property
+    def rebinds(self) -> bool:
+        """Whether `rebind` can succeed on this backend."""
+        return self._graph.rebinds
+
     @property
     def executes_during_capture(self) -> bool:
         """A host graph runs the step while recording it; a CUDA graph only records."""

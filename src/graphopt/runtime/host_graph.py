@@ -30,6 +30,11 @@ Decisions:
   (`.item()`, `bool(t)`) is a `CaptureError`.
 - Tensors created during capture that the caller keeps must be among `outputs`;
   any other may be overwritten by a later op of the same replay.
+- The tape holds tensor objects, not addresses: `rebind(old, new)` `set_`s every
+  tensor the capture saw on input `old`'s memory (`old`, and the views the step
+  made of it) to the same place in `new`'s, a tensor of the same size, stride and
+  dtype (a KV cache made anew for each `generate()`). So `old` must be a private
+  alias of the caller's tensor, which is then never touched again (`capture.py`).
 
 Not thread-safe: capture in one thread (the recorder is thread-local), and never
 replay one graph, or two graphs of one pool, from two threads at once.
@@ -90,6 +95,7 @@ class HostGraph:
     """One captured, replayable step on the CPU (see the module docstring)."""
 
     executes_during_capture = True  # recording runs the step
+    rebinds = True  # the tape holds tensor objects, which `rebind` can point elsewhere
 
     def __init__(self, pool: HostPool | None = None, native: bool | None = None):
         """`native`: replay from C++ (default `native_tape.ENABLED`: yes unless
@@ -105,6 +111,7 @@ class HostGraph:
         self._python_entries = 0
         self.python_replay_reason: str | None = None  # why a native replay was asked for and not given
         self._modes: tuple[_Recorder, CaptureGuard] | None = None
+        self._inputs: dict[int, list[torch.Tensor] | None] = {}  # `_inputs()`, for rebind
 
     @property
     def nbytes(self) -> int:
@@ -148,6 +155,7 @@ class HostGraph:
         try:
             with torch.inference_mode():
                 allocations, fresh = _analyse(recorder.records, escaping)
+                self._inputs = _inputs(recorder.records)
                 self._nbytes = _place(allocations, _arena_bytes_read(recorder.records, self.pool._storage))
                 self.pool._graphs.add(self)
                 self.pool._fit()
@@ -179,6 +187,30 @@ class HostGraph:
             for fn, args, kwargs in self._tape:
                 fn(*args, **kwargs)
 
+    def rebind(self, old: torch.Tensor, new: torch.Tensor) -> str | None:
+        """Read and write `new` wherever the tape reads and writes `old`, an input
+        of the capture that only this graph holds (the module docstring says why).
+        Returns None when done, else why the graph cannot (and nothing changed)."""
+        if (new.shape, new.stride(), new.dtype, new.device, new.layout) != \
+                (old.shape, old.stride(), old.dtype, old.device, old.layout):
+            return "its size, stride or dtype differs from the captured one's"
+        if StorageWeakRef(new.untyped_storage()) == StorageWeakRef(self.pool._storage):
+            # A capture places its intermediates after what it reads from the arena; a rebind cannot.
+            return "it lives in the graph pool's memory, where the graph's intermediates go"
+        tensors = self._inputs.get(id(old), [old])
+        if tensors is None:
+            return "another tensor from before the capture shares the captured one's memory"
+        low, high = _extent(old)
+        shift = (new.storage_offset() - old.storage_offset()) * old.element_size()
+        if any(not low <= start <= end <= high or shift % t.element_size()
+               for t, (start, end) in zip(tensors, map(_extent, tensors))):
+            return "the graph reads memory of the captured one's storage outside it"
+        storage = new.untyped_storage()
+        with torch.inference_mode():
+            for t in tensors:
+                t.set_(storage, t.storage_offset() + shift // t.element_size(), t.size(), t.stride())
+        return None
+
     def reset(self) -> None:
         """Free what the graph holds: its tape, its references to tensors, and its
         share of the pool (the arena shrinks to the largest remaining need). Aborts a
@@ -186,6 +218,7 @@ class HostGraph:
         if self._modes is not None:
             self._stop("reset")
         self._tape, self._placed, self._nbytes, self._copy_replays, self._python_entries = None, [], 0, 0, 0
+        self._inputs = {}
         if self in self.pool._graphs:
             self.pool._graphs.discard(self)
             self.pool._fit()
@@ -296,6 +329,35 @@ def _analyse(records: list, escaping: list[torch.Tensor] | None) -> tuple[list[_
     return list(made.values()), fresh
 
 
+def _inputs(records: list) -> dict[int, list[torch.Tensor] | None]:
+    """For each tensor that existed before the capture (first seen as an argument),
+    every tensor object the capture saw on its memory: itself and the views the
+    step made of it. None for tensors from before that share memory with another
+    (two views of one cache passed as two arguments): neither can move alone."""
+    on: dict[int, dict[int, torch.Tensor]] = {}  # storage key -> tensors on it, by id
+    before: dict[int, list[int]] = {}
+    made: set[int] = set()
+    for _, args, kwargs, result in records:
+        for t in _tensors((args, kwargs)):
+            key = _storage_key(t)
+            if key is not None and key not in made and id(t) not in on.setdefault(key, {}):
+                on[key][id(t)] = t
+                before.setdefault(key, []).append(id(t))
+        for t in _tensors(result):
+            key = _storage_key(t)
+            if key in on:
+                on[key].setdefault(id(t), t)
+            elif key is not None:
+                made.add(key)
+    return {tid: list(on[key].values()) if len(ids) == 1 else None for key, ids in before.items() for tid in ids}
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage a tensor spans: [start, end)."""
+    start, span = t.storage_offset(), 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return start * t.element_size(), (start + span * (t.numel() > 0)) * t.element_size()
+
+
 def _arena_bytes_read(records: list, arena: torch.UntypedStorage) -> int:
     """Where the pool's arena stops holding what this graph reads: the end of the
     furthest byte of any input that lives on the arena (the output of another
@@ -304,8 +366,7 @@ def _arena_bytes_read(records: list, arena: torch.UntypedStorage) -> int:
     for _, args, kwargs, _ in records:
         for t in _tensors((args, kwargs)):
             if t.layout == torch.strided and StorageWeakRef(t.untyped_storage()) == arena_ref and t.numel():
-                last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-                end = max(end, (last + 1) * t.element_size())
+                end = max(end, _extent(t)[1])
     return -(-end // _ALIGN) * _ALIGN
 
 
