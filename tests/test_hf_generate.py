@@ -42,8 +42,7 @@ def _decoder_config(cls: type, **extra: Any) -> Any:
 BUILDERS: dict[str, Callable[[], torch.nn.Module]] = {
     "llama": lambda: transformers.LlamaForCausalLM(_decoder_config(transformers.LlamaConfig)),
     "qwen2": lambda: transformers.Qwen2ForCausalLM(_decoder_config(transformers.Qwen2Config)),
-    # Without a sliding window: a sliding-window cache counts tokens in a Python int
-    # that becomes a new graph input value every step (see the test below).
+    # Without a sliding window here: sliding-window caches are test_hf_sliding_window.py's.
     "mistral": lambda: transformers.MistralForCausalLM(_decoder_config(transformers.MistralConfig,
                                                                        sliding_window=None)),
     # head_dim 32 while hidden/heads is 16: q/k/v are wider than the hidden size.
@@ -183,22 +182,29 @@ def test_generate_level1_gives_eager_tokens_and_replays_every_decode_step(name: 
     assert all(EXACT_SIZE in reason for reason in fallbacks), f"unexpected fallbacks: {fallbacks}"
 
 
-def test_mistral_sliding_window_cache_gives_eager_tokens_and_says_why_it_does_not_replay() -> None:
-    """transformers' sliding-window cache keeps a token count as a Python int, which
-    Dynamo passes to the graph as a number: a capture would freeze it, so the
-    runner gives each value its own graph, and after 8 values stops and says so."""
-    torch.manual_seed(0)
-    config = _decoder_config(transformers.MistralConfig, sliding_window=32)
-    eager = transformers.MistralForCausalLM(config).eval()
-    model = transformers.MistralForCausalLM(config).eval()
-    model.load_state_dict(eager.state_dict())
-    model.forward = graphopt.optimize(model.forward, config_for(1))
-    ids = prompt(1)
-    out = model.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="static",
-                         attention_mask=torch.ones_like(ids))
-    assert torch.equal(out, eager.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="static",
-                                           attention_mask=torch.ones_like(ids)))
-    assert any("took more than 8 values" in reason for reason in model.forward.report().fallbacks)
+def test_llama_generate_on_a_new_static_cache_replays_instead_of_capturing_again() -> None:
+    """Every generate() makes a new StaticCache: same size, stride and dtype, new
+    memory. The decode graph's host graph is rebound to it, so from the second
+    generate() on every decode step replays. The prefill graph is a graph of its
+    own, one call per generate(): its warm-ups are the first two prefills, the
+    third captures it, and from the fourth generate() nothing is captured."""
+    eager, model = twins("llama")
+    config = config_for(1)
+    model.forward = graphopt.optimize(model.forward, config)
+    report = model.forward.report
+    for run in range(4):
+        ids = torch.randint(0, VOCAB, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(run))
+        before = report()
+        captures, rebinds = len(before.captures), before.rebinds
+        probe = CounterProbe(report)
+        assert torch.equal(generate(model, ids, probe), generate(eager, ids)), f"generate {run}: tokens differ"
+        if run == 0:
+            assert_warms_up_captures_then_replays(probe.steps, config, "the first generate()")
+            continue
+        assert probe.steps[0].captures == captures + (run == 2), f"generate {run}'s prefill\n{probe.steps}"
+        assert_replays_from(probe.steps, 1, f"generate {run}")
+        assert probe.steps[-1].recaptures == 0 and report().rebinds > rebinds
+    assert not unexpected_fallbacks(report()), f"unexpected fallbacks: {unexpected_fallbacks(report())}"
 
 
 # --- Llama through each way in, levels 1 and 2 -------------------------------------

@@ -104,18 +104,22 @@ ROWWISE = {
 }
 
 
-def _run(then: Callable, config=CONFIG) -> graphopt.Report:
-    torch.manual_seed(0)
-    model = Model(then).eval()
-    opt = graphopt.optimize(model, config)
+def _stream(model: torch.nn.Module, inputs: Callable[[int], tuple], dtype: torch.dtype = torch.float32,
+            config=CONFIG, **kwargs) -> graphopt.Report:
+    """`model` through optimize() over STREAM's batches (`inputs(batch)`), each against eager."""
+    opt = graphopt.optimize(model, config, **kwargs)
+    atol, rtol = tolerance(dtype)
     with torch.inference_mode():
         for batch in STREAM:
-            x = torch.randn(batch, 6)
-            expected, actual = model(x), opt(x)
-            atol, rtol = tolerance(expected.dtype)
-            torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol,
+            args = inputs(batch)
+            torch.testing.assert_close(opt(*args), model(*args), atol=atol, rtol=rtol,
                                        msg=lambda m: f"batch {batch}: {m}\n{opt.report()}")
     return opt.report()
+
+
+def _run(then: Callable, config=CONFIG) -> graphopt.Report:
+    torch.manual_seed(0)
+    return _stream(Model(then).eval(), lambda batch: (torch.randn(batch, 6),), config=config)
 
 
 @pytest.mark.parametrize("name", MIXING)
@@ -232,14 +236,7 @@ def test_experts_pad_only_when_grouped_by_their_own_sorted_keys(counted: str) ->
     except (AttributeError, RuntimeError) as error:
         pytest.skip(f"this torch has no CPU grouped_mm: {error}")
     torch.manual_seed(0)
-    model = Experts(counted).eval()
-    opt = graphopt.optimize(model, CONFIG)
-    with torch.inference_mode():
-        for batch in STREAM:
-            x = torch.randn(batch, 8)
-            atol, rtol = tolerance(torch.bfloat16)
-            torch.testing.assert_close(opt(x), model(x), atol=atol, rtol=rtol, msg=lambda m: f"batch {batch}: {m}")
-    report = opt.report()
+    report = _stream(Experts(counted).eval(), lambda batch: (torch.randn(batch, 8),), torch.bfloat16)
     sizes = sorted({c.size for c in report.captures})
     if counted == "sorted keys":
         assert sizes == [4, 8] and not unexpected_fallbacks(report), str(report)
@@ -264,11 +261,6 @@ def test_decode_attention_reads_its_own_rows_so_it_pads() -> None:
     import graphopt.kernels.decode_attention  # noqa: F401 - registers the op
 
     torch.manual_seed(0)
-    model = Attend().eval()
-    opt = graphopt.optimize(model, CONFIG, pad_values={"slots": 8})
-    with torch.inference_mode():
-        for batch in STREAM:
-            q, positions, slots = torch.randn(batch, 4, 1, 8), torch.randint(0, 16, (batch, 1)), torch.randperm(8)[:batch]
-            torch.testing.assert_close(opt(q, positions, slots), model(q, positions, slots), atol=1e-5, rtol=1e-5)
-    report = opt.report()
+    report = _stream(Attend().eval(), lambda batch: (torch.randn(batch, 4, 1, 8), torch.randint(0, 16, (batch, 1)),
+                                                     torch.randperm(8)[:batch]), pad_values={"slots": 8})
     assert sorted({c.size for c in report.captures}) == [4, 8] and not unexpected_fallbacks(report), str(report)

@@ -95,13 +95,13 @@ class GraphRunner:
                 self._warn_held_outputs()
             with running_at((dispatch.size or self.signature.static_batch, *other)):
                 outputs = self.graph(*static_args)
-            return self._hand_out(outputs, batch, dispatch.size)
+            return self._hand_out(outputs, batch, dispatch.size, self.signature.numbers_of(args))
 
-    def _hand_out(self, outputs: Any, batch: int | None, size: int | None) -> Any:
+    def _hand_out(self, outputs: Any, batch: int | None, size: int | None, numbers: dict[int, int]) -> Any:
         clone = self.config.clone_output or len(self.callers) > 1
         sliced = batch is not None and batch != size
-        result = [_rows(out, dim if sliced else None, batch, clone)
-                  for out, dim in zip(outputs, self.signature.out_dims)]
+        result = [numbers[i] if i in numbers else _rows(out, dim if sliced else None, batch, clone)
+                  for i, (out, dim) in enumerate(zip(outputs, self.signature.out_dims))]
         if not clone and any(piece.owns_outputs for piece in self.captured):
             self.handed_out = [weakref.ref(t) for t in result if isinstance(t, torch.Tensor)]
         return tuple(result) if isinstance(outputs, tuple) else result

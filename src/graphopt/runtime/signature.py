@@ -21,11 +21,13 @@ batch when another symbol's are.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+import sympy
 import torch
 import torch.fx
+from torch.utils._pytree import tree_leaves
 
 from .. import _compat
 
@@ -42,6 +44,10 @@ class Signature:
     static_batch: int | None = None        # a graph without a batch symbol: its fixed batch size
     key_names: str = ""                    # where the key symbols come from, for messages
     batch_names: str = ""                  # which inputs' dims are the batch, for messages
+    # SymInt outputs computed from SymInt inputs no tensor depends on (a token count a
+    # sliding-window cache keeps as a Python int): (output, expression, {symbol: input}).
+    # A replay would return the captured call's number, so the runner computes them.
+    number_outputs: list[tuple[int, Any, dict]] = field(default_factory=list)
 
     @property
     def copied(self) -> list[int]:
@@ -68,6 +74,11 @@ class Signature:
 
     def key_of(self, args: Sequence[Any]) -> tuple:
         return tuple(int(args[i]) for i in self.key_symints)
+
+    def numbers_of(self, args: Sequence[Any]) -> dict[int, int]:
+        """This call's number outputs, by output index."""
+        return {i: int(expr.subs({symbol: int(args[j]) for symbol, j in inputs.items()}))
+                for i, expr, inputs in self.number_outputs}
 
 
 class BatchMismatch(ValueError):
@@ -124,6 +135,13 @@ def signature_of(gm: torch.fx.GraphModule, dynamic_dims: Mapping[str, int] | Non
             problems.append(f"{where} is written in place by the graph and sized by the batch "
                             "(a KV cache per sequence)")
         batch_dims.append(dim)
+    symbols = {expr: i for i in key_symints if isinstance(expr := _compat.symbol_of(inputs[i][2]), sympy.Symbol)}
+    numbers_only = _reaching_no_tensor(gm, symbols)
+    for value in _output_values(gm):  # an output the runtime could not compute keeps its symbols in the key
+        if (expr := _compat.symbol_of(value)) is not None and not expr.free_symbols <= set(symbols):
+            numbers_only = {k: v for k, v in numbers_only.items() if k not in expr.free_symbols}
+    key_symints = [i for i in key_symints if i not in numbers_only.values()]
+    number_outputs = []
     out_dims = []
     for i, value in enumerate(_output_values(gm)):
         where = f"output {i}"
@@ -134,6 +152,8 @@ def signature_of(gm: torch.fx.GraphModule, dynamic_dims: Mapping[str, int] | Non
         expr = _compat.symbol_of(value)
         if expr is not None and expr.free_symbols & batch:
             problems.append(f"{where} is a size computed from the batch ({expr})")
+        elif expr is not None and expr.free_symbols & set(numbers_only):
+            number_outputs.append((i, expr, {symbol: symbols[symbol] for symbol in expr.free_symbols}))
     # The op that mixes rows names the user's line: it comes first.
     problems[:0] = [why for symbols, why in mixing.items() if batch & set(symbols) and why is not None]
     return Signature(kinds, batch_dims, pads, batch_symints, key_symints, out_dims,
@@ -142,7 +162,30 @@ def signature_of(gm: torch.fx.GraphModule, dynamic_dims: Mapping[str, int] | Non
                      key_names=", ".join(sorted({f"from argument {inputs[i][1]!r}" if inputs[i][1] else
                                                  f"input {i}" for i in key_symints})),
                      batch_names=", ".join(f"dim {dim} of {inputs[i][1] or f'input {i}'!r}"
-                                           for i, dim in enumerate(batch_dims) if dim is not None))
+                                           for i, dim in enumerate(batch_dims) if dim is not None),
+                     number_outputs=number_outputs)
+
+
+def _reaching_no_tensor(gm: torch.fx.GraphModule, symbols: dict) -> dict:
+    """Of `symbols` ({symbol: input}), those no tensor of the graph depends on: in no
+    size, stride or offset, and in no argument of an op that makes a tensor. Only
+    numbers are computed from them, so a device graph captured for one value serves
+    every value."""
+    left = dict(symbols)
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value", node.meta.get("val"))
+        tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+        found: set = set()
+        for t in tensors:
+            for size in (*t.shape, *t.stride(), t.storage_offset()):
+                found |= getattr(_compat.symbol_of(size), "free_symbols", set())
+        if tensors and node.op != "placeholder":
+            for arg in tree_leaves((node.args, node.kwargs)):
+                number = arg.meta.get("example_value", arg.meta.get("val")) if isinstance(arg, torch.fx.Node) else arg
+                found |= getattr(getattr(getattr(number, "node", None), "expr", None), "free_symbols", set())
+        for symbol in found:
+            left.pop(symbol, None)
+    return left
 
 
 def _batch_dims(inputs: list, dynamic_dims: Mapping[str, int] | None) -> list[tuple[int, Any]]:
