@@ -271,3 +271,18 @@ def test_level_2_rows_say_host_graphs_fall_back_on_cpu(tmp_path, capsys):
     assert "use_cudagraph with graph_opt_level=2 on CPU" in rows["graphopt L2 + host graphs"]["reasons"][0]
     out = capsys.readouterr().out
     assert "fallback [1]" in out and "[1] use_cudagraph with graph_opt_level=2 on CPU" in out
+
+
+def test_dtype_bfloat16_runs_the_decoder_in_bfloat16(tmp_path, capsys):
+    """`--dtype bfloat16`: the workload's weights and title are bfloat16, and every
+    contender's outputs still match eager's (within bfloat16's tolerance)."""
+    code = main(["bench", "--quick", "--workloads", "decoder", "--contenders", "eager,L1+graphs", "--dtype",
+                 "bfloat16", "--threads", "1", "--no-startup", "--out", str(tmp_path)])
+    assert code == 0, capsys.readouterr().err
+    figures = json.loads((tmp_path / "bench.json").read_text())
+    decoder_run = figures["workloads"]["decoder"]
+    assert "torch.bfloat16" in decoder_run["title"]
+    rows = [row for case in decoder_run["cases"] for row in case["rows"] if row["contender"] != "GEMM floor"]
+    assert {row["contender"] for row in rows} == {"eager", "graphopt L1 + host graphs"}
+    assert all(row["outputs_equal"] for row in rows), rows
+    assert decoder(Sizes(quick=True, device="cpu", precision="bfloat16")).model.lm_head.weight.dtype == torch.bfloat16

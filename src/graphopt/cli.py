@@ -209,6 +209,9 @@ def _bench_parser(commands: argparse._SubParsersAction) -> None:
                         help=f"contenders to run: {', '.join(keys)} (default: all; compile-ro is CUDA only)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cpu (float32, small shapes) or cuda (bfloat16, larger shapes)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="the workloads' dtype (default: float32 on cpu, bfloat16 on cuda); many CPUs "
+                             "multiply bfloat16 in hardware (AVX512-BF16, AMX)")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: tiny shapes, 2 rounds, no start-up runs unless --startup")
     parser.add_argument("--rounds", type=_int_in(1), default=None, metavar="R",
@@ -245,7 +248,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     options = bench.Options(args.workloads, args.contenders, args.device, args.quick,
                             args.rounds or (2 if args.quick else 10),
                             not args.quick if args.startup is None else args.startup, torch.get_num_threads(),
-                            shlex.join(["graphopt", *argv]))
+                            shlex.join(["graphopt", *argv]), args.dtype)
     console = Console()
     if not console.is_terminal:
         console = Console(width=220)  # in a log or a pipe, --wide's columns unwrapped

@@ -23,11 +23,13 @@ from typing import Any
 LAUNCHED_AT = "GRAPHOPT_BENCH_LAUNCHED_AT"
 
 
-def measure_startup(workload: str, contender: str, quick: bool, device: str, threads: int) -> dict[str, Any]:
+def measure_startup(workload: str, contender: str, quick: bool, device: str, threads: int,
+                    precision: str | None = None) -> dict[str, Any]:
     """{"cold_s", "warm_s", "peak_mib"} of `contender` on `workload` (peak memory of
     the cold run, which compiles), or {"error": ...} when a child failed."""
     command = [sys.executable, "-m", "graphopt.bench.startup", workload, contender, "--device", device,
-               "--threads", str(threads)] + (["--quick"] if quick else [])
+               "--threads", str(threads)] + (["--quick"] if quick else []) + \
+        (["--dtype", precision] if precision else [])
     with tempfile.TemporaryDirectory(prefix="graphopt-bench-cache-") as cache:
         env = {**os.environ, "GRAPHOPT_CACHE_DIR": os.path.join(cache, "graphopt"),
                "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor")}
@@ -50,6 +52,7 @@ def _child(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dtype", default=None)
     args = parser.parse_args(argv)
     launched_at = float(os.environ[LAUNCHED_AT])
 
@@ -60,7 +63,7 @@ def _child(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     contender = next(c for c in contenders(args.device) if c.key == args.contender)
-    workload = WORKLOADS[args.workload](Sizes(args.quick, args.device))
+    workload = WORKLOADS[args.workload](Sizes(args.quick, args.device, args.dtype))
     with torch.inference_mode():
         output = workload.cases[0].runner(build(contender, workload, args.device))()
     if args.device.startswith("cuda"):

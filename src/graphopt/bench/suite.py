@@ -37,6 +37,7 @@ class Options:
     startup: bool = True
     threads: int = 1
     command: str = "graphopt bench"  # the command line, as the docs' measured section cites it
+    precision: str | None = None     # --dtype: the workloads' dtype (None: the device's default)
 
     @property
     def target_s(self) -> float:
@@ -69,7 +70,7 @@ def run(options: Options, console: Console) -> list[WorkloadResult]:
 
 def _workload(name: str, chosen: list[Contender], options: Options, tick: Callable[[str], None],
               more: Callable[[int], None]) -> WorkloadResult:
-    workload = WORKLOADS[name](Sizes(options.quick, options.device))
+    workload = WORKLOADS[name](Sizes(options.quick, options.device, options.precision))
     result = WorkloadResult(name, workload.title)
     steps, kinds = {}, {c.name: c for c in chosen}
     for contender in chosen:
@@ -85,7 +86,7 @@ def _workload(name: str, chosen: list[Contender], options: Options, tick: Callab
         for contender_name in steps:
             tick(f"start-up: {contender_name}, cold and warm, in fresh processes")
             result.startup[contender_name] = measure_startup(name, kinds[contender_name].key, options.quick,
-                                                             options.device, options.threads)
+                                                             options.device, options.threads, options.precision)
             tick(f"start-up: {contender_name} done")
     return result
 

@@ -72,10 +72,12 @@ class Workload:
 
 @dataclass(frozen=True)
 class Sizes:
-    """How big a run is: `quick` (CI smoke), the CPU default, or `--device cuda`."""
+    """How big a run is: `quick` (CI smoke), the CPU default, or `--device cuda`; in
+    `precision` ("bfloat16", "float32"), or else the device's default."""
 
     quick: bool
     device: str
+    precision: str | None = None
 
     @property
     def cuda(self) -> bool:
@@ -83,6 +85,8 @@ class Sizes:
 
     @property
     def dtype(self) -> torch.dtype:
+        if self.precision is not None:
+            return getattr(torch, self.precision)
         return torch.bfloat16 if self.cuda else torch.float32
 
     def pick(self, quick: Any, cpu: Any, cuda: Any) -> Any:
@@ -102,8 +106,8 @@ def decoder(sizes: Sizes) -> Workload:
     """The reference decoder: a mixed stream of decode batch sizes (what a serving
     engine's scheduler produces), and the decode step alone at batch 1 and 16."""
     generator = _manual_seed(0)
-    config = sizes.pick(DecoderConfig.tiny(), DecoderConfig.small(),
-                        DecoderConfig.bench(dtype=torch.bfloat16))
+    config = sizes.pick(DecoderConfig.tiny(dtype=sizes.dtype), DecoderConfig.small(dtype=sizes.dtype),
+                        DecoderConfig.bench(dtype=sizes.dtype))
     model = Decoder(config).eval().to(sizes.device)
     segments, steps = sizes.pick((3, 2), (8, 4), (16, 8))
     batches = [int(b) for b in torch.randint(1, 17, (segments,), generator=generator)]
@@ -171,10 +175,10 @@ def hf_llama(sizes: Sizes) -> Workload:
 def resnet(sizes: Sizes) -> Workload:
     """graphopt's small ResNet (convolutions, batch norm, residual adds)."""
     _manual_seed(0)
-    config = sizes.pick(ResNetConfig.tiny(), ResNetConfig.tiny(),
+    config = sizes.pick(ResNetConfig.tiny(dtype=sizes.dtype), ResNetConfig.tiny(dtype=sizes.dtype),
                         ResNetConfig(image_size=224, in_channels=3, stem_channels=64,
                                      stage_channels=(64, 128, 256, 512), blocks_per_stage=2,
-                                     num_classes=1000, dtype=torch.bfloat16))
+                                     num_classes=1000, dtype=sizes.dtype))
     model = ResNet(config).eval().to(sizes.device)
     generator = torch.Generator().manual_seed(1)
     cases = []
