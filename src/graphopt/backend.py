@@ -22,7 +22,7 @@ import torch
 import torch.fx
 
 from . import _compat, cache, modes
-from .backend_cache import BackendCache
+from .backend_cache import BackendCache, device_type
 from ._compat import cache as compat_cache
 from ._compat import traces as compat_traces
 from .config import GraphOptimizationConfig
@@ -136,7 +136,7 @@ class Backend:
         self.compiled_dynamic |= any(isinstance(x, torch.SymInt) for x in example_inputs)
         if _compat.is_recompile():
             self._report.recompiles += 1
-        device = _device_type(example_inputs)
+        device = device_type(example_inputs)
         level = self._level(device)
         mode = self._cudagraph_mode(level, device)
         bypass = "level 0 compiles nothing" if level == 0 else self.cache.bypass()
@@ -261,7 +261,7 @@ class Backend:
         def post_grad_pass(graph: torch.fx.Graph) -> None:
             optimized.append((graph.owning_module, self._optimize(graph.owning_module, record, real_inputs, kinds)))
 
-        options = {**inductor_options(_device_type(real_inputs), cached=key is not None),
+        options = {**inductor_options(device_type(real_inputs), cached=key is not None),
                    **self.config.inductor_compile_config}
         # With the cache on, AOTAutograd's entry holds the compiled code itself, so a
         # stored trace can carry it (traces.py).
@@ -369,10 +369,3 @@ def _aot_args(gm: torch.fx.GraphModule, inputs: list) -> list:
 def _innermost(runtime: Callable) -> Callable:
     """The compiled graph inside a GraphRunner (or the graph itself)."""
     return runtime.captured[0].fn if hasattr(runtime, "captured") else runtime
-
-
-def _device_type(inputs: Sequence[Any]) -> str:
-    for x in inputs:
-        if isinstance(x, torch.Tensor) and x.device.type != "cpu":
-            return x.device.type
-    return "cpu"

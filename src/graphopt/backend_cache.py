@@ -4,7 +4,7 @@ graphs may be stored at all, their keys, and the records stored beside them."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.fx
@@ -13,6 +13,11 @@ from . import cache
 from .config import GraphOptimizationConfig
 from .passes.fusion.replacement import USER_PATTERNS, Unkeyable
 from .report import GraphRecord, Report
+
+
+def device_type(inputs: Sequence[Any]) -> str:
+    """The device a graph runs on: its first tensor input off the CPU, else the CPU."""
+    return next((x.device.type for x in inputs if isinstance(x, torch.Tensor) and x.device.type != "cpu"), "cpu")
 
 
 class BackendCache:
@@ -42,8 +47,7 @@ class BackendCache:
             if self.disk is not None:
                 self.report.fallback(f"cache_dir: {bypass}, so graphs are compiled without the compile cache")
             return None
-        device = next((x.device.type for x in inputs if isinstance(x, torch.Tensor) and x.device.type != "cpu"),
-                      "cpu")
+        device = device_type(inputs)
         # Dynamo guards on these, and AOTAutograd traces differently under them.
         modes = f"grad={torch.is_grad_enabled()} autocast={torch.is_autocast_enabled(device)}"
         return cache.cache_key(self.pass_uuid(), cache.describe_graph(gm, inputs), device, modes)
