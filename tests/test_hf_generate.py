@@ -277,3 +277,25 @@ def test_llama_second_start_runs_the_stored_trace(monkeypatch) -> None:
     assert torch.equal(generate(model, ids), expected)
     assert second.report().traces_used == first.report().traces_stored
     assert not second.report().fallbacks, second.report().fallbacks
+
+
+# --- decode attention over generate()'s mask ---------------------------------------
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_decode_steps_read_the_cache_through_generates_mask(level: int) -> None:
+    """generate() builds its attention mask (padding and causal, [b, 1, 1, s]) outside
+    the model and passes it in: the decode graph's attention becomes
+    graphopt::decode_attention reading only the keys that mask allows, with a
+    left-padded row in the batch, and the tokens stay eager's."""
+    skip_without_inductor(level)
+    eager, model = twins("llama")
+    model.forward = graphopt.optimize(model.forward, config_for(level))
+    ids = prompt(3)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # row 1 is left-padded: its first two keys are never read
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                  cache_implementation="static")
+    assert torch.equal(model.generate(ids, **kwargs), eager.generate(ids, **kwargs))
+    fused = [g.fused_ops for g in model.forward.report().graphs]
+    decode = [f for f in fused if "decode_attention" in f]
+    assert decode and all(f["decode_attention"] == eager.config.num_hidden_layers for f in decode), fused

@@ -1,14 +1,19 @@
 """Decode attention that reads a KV cache in place, only up to each sequence's length.
 
     decode_attention(query [b, h, t, d], key [n, kv_heads, s, d], value [n, kv_heads, s, d],
-                     slots [b] | None, positions (broadcasts to [b, t]), scale) -> [b, h, t, d]
+                     slots [b] | None, positions (broadcasts to [b, t]) | None, scale,
+                     allowed (bool, broadcasts to [b, t, s]) | None = None) -> [b, h, t, d]
 
 Query (i, j) attends, with `scale` and a max-subtracted softmax, over keys and values
-0 .. positions[i, j] of cache row slots[i] (row i when `slots` is None): the reference
-decoder's slot cache read as `k_cache.transpose(1, 2)` with its slots, transformers'
-`StaticCache` tensors as they are. A position past the cache attends over all of it,
-as the mask `key position <= query position` does; a negative one over no key, which
-gives zeros (eager's fully masked row gives NaN or a uniform average, SDPA zeros).
+0 .. positions[i, j] of cache row slots[i] (row i when `slots` is None), and of those
+only the ones `allowed[i, j]` lets through: the reference decoder's slot cache read as
+`k_cache.transpose(1, 2)` with its slots, transformers' `StaticCache` tensors as they
+are, with the mask `generate()` passes in as `allowed`. Without positions every key
+of the row is a candidate. A position past the cache attends over all of it, as the
+mask `key position <= query position` does. A query left with no key (a negative
+position, or a row `allowed` masks out entirely) averages every key of its row with
+equal weights: what eager attention gives under a `finfo.min` mask, the one
+transformers and the reference decoder build (under -inf eager gives NaN).
 Query head `x` reads kv head `x // (h // kv_heads)` (GQA, as `repeat_kv`), never
 repeated. `key` and `value` may have any strides. Lengths are read from `positions`
 when the op runs, so one captured device graph serves every length.
@@ -35,8 +40,8 @@ from . import native
 log = logging.getLogger("graphopt")
 
 SOURCE = Path(__file__).with_suffix(".cpp")
-SCHEMA = ("decode_attention(Tensor query, Tensor key, Tensor value, Tensor? slots, Tensor positions, float scale)"
-          " -> Tensor")
+SCHEMA = ("decode_attention(Tensor query, Tensor key, Tensor value, Tensor? slots, Tensor? positions, float scale, "
+          "Tensor? allowed=None) -> Tensor")
 # Compiler flags per vector ISA torch reports, as Inductor builds its CPU kernels.
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-DCPU_CAPABILITY_AVX512"],
@@ -66,29 +71,36 @@ def fake_result(query: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.register_fake("graphopt::decode_attention", lib=_LIB)
-def _fake(query, key, value, slots, positions, scale):
+def _fake(query, key, value, slots, positions, scale, allowed=None):
     return fake_result(query)
 
 
 def _reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: Optional[torch.Tensor],
-               positions: torch.Tensor, scale: float) -> torch.Tensor:
+               positions: Optional[torch.Tensor], scale: float,
+               allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
     if slots is not None:
         key, value = key[slots], value[slots]
     b, t, s = query.shape[0], query.shape[2], key.shape[2]
-    positions = positions.expand(b, t)
-    allowed = torch.arange(s, device=query.device) <= positions[..., None]
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed[:, None], scale=scale,
+    keep = torch.ones(b, t, s, dtype=torch.bool, device=query.device)
+    if positions is not None:
+        keep = keep & (torch.arange(s, device=query.device) <= positions.expand(b, t)[..., None])
+    if allowed is not None:
+        keep = keep & allowed
+    # Additive finfo.min, not a boolean mask: a query left with no key then averages its
+    # row, as the C++ kernel does (a boolean mask gives NaN there).
+    mask = torch.zeros(keep.shape, dtype=query.dtype, device=query.device).masked_fill(
+        ~keep, torch.finfo(query.dtype).min)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[:, None], scale=scale,
                                          enable_gqa=key.shape[1] != query.shape[1])
-    # A row without keys: zeros, as the C++ kernel gives (SDPA's math path gives NaN).
-    return out.masked_fill((positions < 0)[:, None, :, None], 0).contiguous()
+    return out.contiguous()
 
 
-def _decode_attention(query, key, value, slots, positions, scale):
+def _decode_attention(query, key, value, slots, positions, scale, allowed=None):
     # Reached on the CPU only while the C++ kernel is not registered: a graph loaded
     # from the compile cache runs this before anything built it.
     if query.device.type == "cpu" and native_unavailable() is None:
-        return torch.ops.graphopt.decode_attention.default(query, key, value, slots, positions, scale)
-    return _reference(query, key, value, slots, positions, scale)
+        return torch.ops.graphopt.decode_attention.default(query, key, value, slots, positions, scale, allowed)
+    return _reference(query, key, value, slots, positions, scale, allowed)
 
 
 _LIB.impl("decode_attention", _decode_attention, "CompositeExplicitAutograd")

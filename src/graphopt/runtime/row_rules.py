@@ -308,15 +308,18 @@ def matmul(call: Call) -> list:
 
 @rule("decode_attention")
 def decode_attention(call: Call) -> list:
-    """graphopt::decode_attention: row i attends with query[i] and positions[i] (or
-    positions shared by every row) over cache row slots[i], a shared cache read per row,
-    or over key[i] and value[i] without slots."""
+    """graphopt::decode_attention: row i attends with query[i], positions[i] and
+    allowed[i] (or positions and a mask shared by every row) over cache row slots[i], a
+    shared cache read per row, or over key[i] and value[i] without slots."""
     query, key, value, slots, positions = (call.named[n] for n in ("query", "key", "value", "slots", "positions"))
+    allowed = call.named.get("allowed")
     cache_rows = [key, value] if slots is None else []
     if call.func.namespace != "graphopt" or \
             any(call.dim(t) not in (None, 0) for t in [query, slots, *cache_rows] if t is not None) or \
             (slots is not None and (call.rows(key) is not None or call.rows(value) is not None)) or \
-            call.dim(positions) not in (None, positions.dim() - 2 if positions.dim() >= 2 else -1):
+            positions is not None and call.dim(positions) not in (
+                None, positions.dim() - 2 if positions.dim() >= 2 else -1) or \
+            allowed is not None and call.dim(allowed) not in (None, allowed.dim() - 3):
         raise Mixes("attends across rows of the batch")
     return call.follow()
 

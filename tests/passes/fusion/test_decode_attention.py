@@ -146,24 +146,62 @@ def attention_args():
     return q, k_cache, v_cache, torch.tensor([0, 7, 31]), torch.tensor([4, 0, 2])
 
 
-@pytest.mark.parametrize("allowed_of, fused", [
-    (lambda key, pos: key <= pos, True),
-    (lambda key, pos: pos >= key, True),
-    (lambda key, pos: ~(key > pos), True),
-    (lambda key, pos: key < pos, False),  # one key fewer: no length says it
-    (lambda key, pos: (key <= pos) & (key > pos - 4), False),  # a sliding window
-    (lambda key, pos: key <= pos.flip(0), True),  # any integer tensor of positions
+@pytest.mark.parametrize("allowed_of, reads", [
+    (lambda key, pos: key <= pos, "positions"),
+    (lambda key, pos: pos >= key, "positions"),
+    (lambda key, pos: ~(key > pos), "positions"),
+    (lambda key, pos: key < pos, "mask"),  # one key fewer: no length says it, the mask does
+    (lambda key, pos: (key <= pos) & (key > pos - 4), "mask"),  # a sliding window
+    (lambda key, pos: key <= pos.flip(0), "positions"),  # any integer tensor of positions
 ], ids=["le", "ge", "not-gt", "lt", "window", "flipped"])
-def test_masks(allowed_of, fused):
+def test_masks(allowed_of, reads):
+    """A mask that is `key <= position` becomes the op's positions; any other boolean
+    mask the same for every head is passed to it as `allowed`."""
     fn, args = attention_over(gathered, allowed_of), attention_args()
     graph = aot_graph(fn, *args)
     result = fuse_decode_attention(graph.gm)
     graph.gm.recompile()
-    assert (OP in targets(graph)) == fused and result.changed == fused
-    if fused:
-        assert aten_index_count(graph) == 0  # read in place: no gather left
-        assert result.counts == {"decode_attention": 1}
+    calls = [n for n in graph.gm.graph.nodes if n.target is OP]
+    assert len(calls) == 1 and result.counts == {"decode_attention": 1}
+    positions, allowed = calls[0].args[4], calls[0].args[6]
+    assert (positions is not None, allowed is not None) == (reads == "positions", reads == "mask")
+    assert aten_index_count(graph) == 0  # read in place: no gather left
     torch.testing.assert_close(graph(*args)[0], fn(*args), atol=1e-4, rtol=1e-4)
+
+
+def test_a_mask_passed_in_is_read_as_allowed():
+    """transformers' generate() builds its mask outside the model: a [b, 1, t, s]
+    boolean input made additive with `where(mask, 0, finfo.min)`; GQA through SDPA."""
+
+    def fn(q, keys, values, mask):
+        additive = torch.where(mask, 0.0, torch.finfo(torch.float32).min)
+        return F.scaled_dot_product_attention(q, repeat_kv(keys, 2), repeat_kv(values, 2), attn_mask=additive,
+                                              scale=0.25)
+
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.rand(3, 1, 1, 32, generator=gen) > 0.4
+    mask[:, 0, 0, 0] = True  # every row keeps a key: a fully masked row is eager's NaN or a uniform average
+    args = (torch.randn(3, 4, 1, 16, generator=gen), torch.randn(3, 2, 32, 16, generator=gen),
+            torch.randn(3, 2, 32, 16, generator=gen), mask)
+    graph = aot_graph(fn, *args)
+    assert fuse_decode_attention(graph.gm).counts == {"decode_attention": 1}
+    graph.gm.recompile()
+    torch.testing.assert_close(graph(*args)[0], fn(*args), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mask_of, shape", [
+    (lambda allowed: torch.where(allowed, 0.0, -1.0), (3, 1, 1, 32)),  # not a mask: a bias
+    (lambda allowed: torch.where(allowed, 0.0, float("-inf")), (3, 4, 1, 32)),  # a mask per head
+], ids=["bias", "per-head"])
+def test_float_masks_that_are_not_a_boolean_mask_are_left_alone(mask_of, shape):
+    def fn(q, keys, values, allowed):
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask_of(allowed))
+
+    gen = torch.Generator().manual_seed(0)
+    args = (torch.randn(3, 4, 1, 16, generator=gen), torch.randn(3, 4, 32, 16, generator=gen),
+            torch.randn(3, 4, 32, 16, generator=gen), torch.rand(*shape, generator=gen) > 0.4)
+    graph = aot_graph(fn, *args)
+    assert not fuse_decode_attention(graph.gm).changed
 
 
 def aten_index_count(graph):

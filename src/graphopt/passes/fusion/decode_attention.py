@@ -38,19 +38,28 @@ def fuse_decode_attention(gm: torch.fx.GraphModule) -> PassResult:
         after:   kt = aten.permute(k_cache, [0, 2, 1, 3]);  vt = aten.permute(v_cache, [0, 2, 1, 3])
                  out = graphopt.decode_attention(q, kt, vt, slots, positions, scale)
 
-    Matches what `fuse_attention` matches (written out, or already SDPA), when the
+    Matches what `fuse_attention` matches (written out, or already SDPA). When the
     mask provably allows exactly the keys whose index is at most the query's position:
     `key_index <= position` (or `>=`, `>` and `<` turned round, negated with `~`) of an
     `arange` over the keys and an integer tensor constant along them, as an additive
     mask of 0 and -inf or `finfo.min` (`where`, `masked_fill` of zeros) or a boolean
     one; broadcast by `unsqueeze` and `expand` only, never varying across heads. That
     is the reference decoder's mask from `positions` and transformers' causal mask from
-    `cache_position`. Keys and values gathered from a cache by one index tensor
+    `cache_position`, the op reads keys up to each position and nothing else. Any other
+    boolean mask that is the same for every head, as it is or made additive (0 where
+    True, -inf or `finfo.min` elsewhere: transformers' `generate()` passes such a mask
+    in, padding and causal together), is passed to the op as `allowed`, which reads
+    only the keys it lets through:
+
+        before:  mask = where(attention_mask, 0, finfo.min);  out = sdpa(q, repeat_kv(k), repeat_kv(v), mask)
+        after:   out = graphopt.decode_attention(q, k, v, None, None, scale, attention_mask.select(1, 0))
+
+    Keys and values gathered from a cache by one index tensor
     (`k_cache[slots]`, transposed or not) are read in place through `slots`; any other
     [b, kv_heads, s, d] keys are read as they are (transformers' `StaticCache`). GQA
-    repeats (`repeat_kv`) are dropped. Anything else in the mask (a padding mask
-    and-ed in, a sliding window) leaves the graph alone. A row whose every key is
-    masked (a negative position) gives zeros. Left to `fuse_attention` and counted as
+    repeats (`repeat_kv`) are dropped. A float mask with other values (a bias) leaves
+    the graph alone. A query whose every key is masked averages its row, as eager does
+    under a `finfo.min` mask (under -inf eager gives NaN). Left to `fuse_attention` and counted as
     `gated`: queries longer than one token, and the CPU without the C++ kernel
     (`gates.decode_attention_loses`).
     """
@@ -117,7 +126,8 @@ class _Plan:
     key: tuple  # (cache, permutation or None): the key operand, [n, kv_heads, s, d] after permuting
     value: tuple
     slots: torch.fx.Node | None
-    positions: tuple  # (integer node, unsqueezed dims, rank): see _allowed
+    positions: tuple | None  # (integer node, unsqueezed dims, rank): see _allowed
+    allowed: tuple | None  # (boolean node, unsqueezed dims, rank, polarity) without positions: see _keep
 
 
 def _plan(gm: torch.fx.GraphModule, found: Found) -> _Plan | None:
@@ -131,12 +141,13 @@ def _plan(gm: torch.fx.GraphModule, found: Found) -> _Plan | None:
             or not _compat.same_sizes([q.shape[0], q.shape[3]], [kv.shape[0], kv.shape[3]]):
         return None
     positions = _positions(gm, found, kv.shape[2], q)
-    if positions is None:
+    allowed = _keep(gm, found, kv.shape[2], q) if positions is None else None
+    if positions is None and allowed is None:
         return None
     (key, key_slots), (value, value_slots) = _cache_row(k), _cache_row(v)
     if key_slots is not value_slots:  # read both as they are
         key, key_slots, value, value_slots = (k, None), None, (v, None), None
-    return _Plan(key, value, key_slots, positions)
+    return _Plan(key, value, key_slots, positions, allowed)
 
 
 def _cache_row(node: torch.fx.Node) -> tuple[tuple, torch.fx.Node | None]:
@@ -178,23 +189,69 @@ def _positions(gm: torch.fx.GraphModule, found: Found, keys: Any, q: torch.Tenso
     return position, tuple(dims), rank
 
 
+def _keep(gm: torch.fx.GraphModule, found: Found, keys: Any, q: torch.Tensor) -> tuple | None:
+    """(boolean node, dims to unsqueeze it at, rank, polarity) when the mask is that
+    node (True: allowed, with polarity True) as it is, or made additive by `where` or
+    `masked_fill`, possibly unsqueezed, and it is the same for every head: [b or 1, 1,
+    t or 1, keys], aligned from the right."""
+    mask, dims = _whole(found.mask), []
+    while mask is not None and mask.target is aten.unsqueeze.default and value_of(mask) is not None:
+        dims.insert(0, mask.args[1] % value_of(mask).dim())
+        mask = _whole(mask.args[0])
+    if mask is None:
+        return None
+    if found.mask_kind == "add":
+        keep = _additive_condition(gm, mask)
+    else:
+        keep = mask, found.mask_kind == "keep"
+    val = value_of(keep[0]) if keep else None
+    if val is None or val.dtype != torch.bool:
+        return None
+    shape = list(val.shape)
+    for d in dims:
+        shape.insert(d, 1)
+    if len(shape) > 4 or not _compat.same_sizes([shape[-1]], [keys]):
+        return None
+    padded = [1] * (4 - len(shape)) + shape
+    if not (_compat.known_true(padded[1] == 1) and all(
+            _compat.known_true(padded[i] == 1) or _compat.same_sizes([padded[i]], [q.shape[i]]) for i in (0, 2))):
+        return None
+    return keep[0], tuple(dims), len(shape), keep[1]
+
+
+def _whole(node: Any) -> torch.fx.Node | None:
+    """`node` without slices that keep all of a dim (transformers' eager attention takes
+    `mask[:, :, :, :keys]` of a mask that has exactly that many)."""
+    while isinstance(node, torch.fx.Node) and node.target is aten.slice.Tensor \
+            and isinstance(node.args[0], torch.fx.Node) and value_of(node) is not None \
+            and value_of(node.args[0]) is not None and _compat.same_shape(value_of(node), value_of(node.args[0])):
+        node = node.args[0]
+    return node if isinstance(node, torch.fx.Node) else None
+
+
+def _additive_condition(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple | None:
+    """(condition, polarity) of `where(condition, 0, fill)` (polarity True), turned
+    round, or `masked_fill(zeros, condition, fill)` (False); fill -inf or finfo.min."""
+    fill = {-math.inf, torch.finfo(value_of(node).dtype).min} if value_of(node) is not None else set()
+    if node.target is aten.where.self:
+        cond, a, b = node.args
+        for zeros, other, polarity in ((a, b, True), (b, a, False)):
+            if _zeros(gm, zeros) and number(gm, other) in fill and same_shape(cond, node):
+                return cond, polarity
+    if node.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
+        zeros, cond, value = node.args
+        if _zeros(gm, zeros) and number(gm, value) in fill and same_shape(cond, node):
+            return cond, False
+    return None
+
+
 def _additive(gm: torch.fx.GraphModule, node: torch.fx.Node):
     """`_allowed` of a float mask: 0 where allowed, -inf or finfo.min elsewhere."""
     if node.target in (aten.unsqueeze.default, aten.expand.default):
         return _viewed(gm, node, _additive)
-    fill = {-math.inf, torch.finfo(value_of(node).dtype).min} if value_of(node) is not None else set()
-    if node.target is aten.where.self:
-        cond, a, b = node.args
-        for zeros, other, polarity in ((a, b, True), (b, a, False)):  # where(allowed, 0, fill) or turned round
-            if _zeros(gm, zeros) and number(gm, other) in fill and same_shape(cond, node):
-                allowed = _allowed(gm, cond)
-                return allowed and (allowed[0], allowed[1], allowed[2] == polarity)
-    if node.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
-        zeros, cond, value = node.args
-        if _zeros(gm, zeros) and number(gm, value) in fill and same_shape(cond, node):
-            allowed = _allowed(gm, cond)
-            return allowed and (allowed[0], allowed[1], not allowed[2])
-    return None
+    condition = _additive_condition(gm, node)
+    allowed = _allowed(gm, condition[0]) if condition else None
+    return allowed and (allowed[0], allowed[1], allowed[2] == condition[1])
 
 
 def _allowed(gm: torch.fx.GraphModule, node: Any):
@@ -288,16 +345,29 @@ def _replace(gm: torch.fx.GraphModule, found: Found, plan: _Plan, made: dict, mo
 
     with graph.inserting_before(found.out):
         key, value = ((call(aten.permute.default, n, p) if p else n) for n, p in (plan.key, plan.value))
-        positions = made.get(plan.positions)
-        if positions is None:
-            position, dims, rank = plan.positions
-            for dim in dims:
-                position = call(aten.unsqueeze.default, position, dim)
-            position = call(aten.select.int, position, rank - 1, 0)  # [..., t]
-            if rank in (3, 4):  # [b, 1, t] or [1, t]: drop the heads' dim
-                position = call(aten.select.int, position, 1 if rank == 4 else 0, 0)
-            positions = made[plan.positions] = position
-        new = call(_DECODE_ATTENTION, found.q, key, value, plan.slots, positions, found.scale)
+        positions = allowed = None
+        if plan.positions is not None:
+            positions = made.get(plan.positions)
+            if positions is None:
+                position, dims, rank = plan.positions
+                for dim in dims:
+                    position = call(aten.unsqueeze.default, position, dim)
+                position = call(aten.select.int, position, rank - 1, 0)  # [..., t]
+                if rank in (3, 4):  # [b, 1, t] or [1, t]: drop the heads' dim
+                    position = call(aten.select.int, position, 1 if rank == 4 else 0, 0)
+                positions = made[plan.positions] = position
+        else:
+            allowed = made.get(plan.allowed)
+            if allowed is None:
+                allowed, dims, rank, polarity = plan.allowed
+                if not polarity:
+                    allowed = call(aten.logical_not.default, allowed)
+                for dim in dims:
+                    allowed = call(aten.unsqueeze.default, allowed, dim)
+                if rank in (3, 4):  # [b, 1, t, s] or [1, t, s]: drop the heads' dim
+                    allowed = call(aten.select.int, allowed, 1 if rank == 4 else 0, 0)
+                allowed = made[plan.allowed] = allowed
+        new = call(_DECODE_ATTENTION, found.q, key, value, plan.slots, positions, found.scale, allowed)
     found.out.replace_all_uses_with(new)
     del changed[found.out]
     set_values(changed)
