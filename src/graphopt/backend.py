@@ -14,6 +14,7 @@ wrapping the compiled graph, so Dynamo's guards run before every replay.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -25,9 +26,10 @@ from . import _compat, cache, modes
 from .backend_cache import BackendCache, device_type
 from ._compat import cache as compat_cache
 from ._compat import traces as compat_traces
-from .config import GraphOptimizationConfig
+from .config import WEIGHT_COPYING_INDUCTOR_OPTIONS, GraphOptimizationConfig
 from .lowering import lower_to_bindings
 from .passes.manager import PassManager, check_pass_names
+from .repack import Repackable
 from .report import GraphRecord, Report
 
 # Graphs each Backend may add to Dynamo's per-function recompile limit: batch size 1
@@ -85,6 +87,7 @@ class Backend:
         self.dynamic_dims = dynamic_dims
         self.pad_values = dict(pad_values or {})
         self.graph_modules: list[torch.fx.GraphModule] = []
+        self.repackables: list[Repackable] = []
         self.callers: set[int] = set()  # threads that called a GraphRunner of this Backend
         # Set once Dynamo hands over a graph with a symbolic size: from then on a new
         # batch size finds that graph, so callers can stop marking dynamic dims.
@@ -107,6 +110,15 @@ class Backend:
 
     def report(self) -> Report:
         return self._report
+
+    def refresh(self) -> int:
+        """After an in-place weight update: compile again the graphs that hold Inductor's
+        copies of the weights, and recompute every folded constant; returns how many."""
+        from .passes.constant_fold import refresh_folded_constants
+
+        for repackable in self.repackables:
+            repackable.repack()
+        return sum(refresh_folded_constants(gm) for gm in self.graph_modules)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
                  options: Mapping[str, Any] | None = None) -> Callable:
@@ -275,6 +287,12 @@ class Backend:
             self.cache.store(key, {**optimized[-1][1], "direct": None}, optimized[-1][0])
         elif stored is not None:
             self._restore(stored, record)
+        if self.config.freeze_parameters and any(options.get(k) for k in WEIGHT_COPYING_INDUCTOR_OPTIONS):
+            # Without Inductor's caches a second compile takes its copies of the weights anew.
+            again = functools.partial(_compat.inductor_compile, gm, example_inputs, post_grad_pass,
+                                      self.cache.pass_uuid(), {**options, "force_disable_caches": True})
+            compiled = Repackable(compiled, again, optimized, self.graph_modules, self._report)
+            self.repackables.append(compiled)
         return compiled
 
     def stored(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> compat_traces.Stored:

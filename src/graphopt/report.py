@@ -120,6 +120,7 @@ class Report:
     cache_rebuilt: int = 0    # of those misses, broken entries that were removed and rebuilt
     traces_stored: int = 0    # Dynamo traces of the step stored for later processes (traces.py)
     traces_used: int = 0      # stored traces this process ran instead of tracing the step
+    repacks: int = 0          # level-2 graphs refresh() compiled again for Inductor's copies of the weights
     memory: list[MemoryRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # decisions made for the user: a key kept over a mode's
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -166,6 +167,7 @@ class Report:
             "recompiles": self.recompiles,
             "cache": {"hits": self.cache_hits, "misses": self.cache_misses, "rebuilt": self.cache_rebuilt,
                       "traces_stored": self.traces_stored, "traces_used": self.traces_used},
+            "repacks": self.repacks,
             "memory": [m.to_dict() for m in self.memory],
             "notes": list(self.notes),
         }
@@ -194,6 +196,8 @@ class Report:
             lines.append(f"  compile cache: {self.cache_hits} hits, {self.cache_misses} misses"
                          + (f" ({self.cache_rebuilt} broken entries rebuilt)" if self.cache_rebuilt else "")
                          + f", {self.traces_used} stored traces used, {self.traces_stored} stored")
+        if self.repacks:
+            lines.append(f"  refresh(): {self.repacks} graph(s) compiled again for Inductor's packed weights")
         if self.captures or self.pieces:
             sizes = ", ".join(str(c.size) for c in self.captures)
             lines.append(f"  device graphs: {len(self.captures)} captured (sizes {sizes or '-'}), pool "

@@ -94,10 +94,11 @@ def test_level_2_folds_and_refreshes_inside_inductor():
 
 
 @pytest.mark.skipif(not _compat.inductor_available(), reason="Inductor needs a C++ compiler")
-def test_level_2_takes_inductor_options_and_refresh_refuses_packed_weights(monkeypatch):
+def test_level_2_takes_inductor_options_and_refresh_repacks_packed_weights(monkeypatch):
     """inductor_compile_config reaches Inductor on top of graphopt's options; with
-    the C++ GEMM template packing frozen weights, refresh() says it cannot update
-    them instead of leaving stale copies."""
+    the C++ GEMM template packing frozen weights at compile time, refresh() compiles
+    the graph again (without Inductor's caches), so the output follows an in-place
+    weight update instead of reading stale packed copies."""
     from graphopt import backend
 
     seen = []
@@ -111,7 +112,15 @@ def test_level_2_takes_inductor_options_and_refresh_refuses_packed_weights(monke
     x = torch.randn(3, 4)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
-    assert seen and all(o.items() >= options.items() and o["cpp_wrapper"] for o in seen)
-    with pytest.raises(RuntimeError, match="max_autotune=True the compiled code holds copies of the frozen "
-                                           "weights .* call optimize\\(\\) on the model again"):
+        assert seen and all(o.items() >= options.items() and o["cpp_wrapper"] for o in seen)
+        compiled, graphs = len(seen), opt.graphs()
+        model.weight.mul_(-2)
+        assert sum(refresh_folded_constants(gm) for gm in graphs) == len(graphs)  # graphopt's own copy only
+        assert not torch.allclose(opt(x), model(x))  # Inductor's packed copy: why refresh() compiles again
         opt.refresh()
+        torch.testing.assert_close(opt(x), model(x))
+    again = seen[compiled:]
+    assert len(again) == compiled and all(o["force_disable_caches"] and o.items() >= options.items() for o in again)
+    report = opt.report()
+    assert report.repacks == compiled and len(opt.graphs()) == len(graphs) and opt.graphs() != graphs
+    assert len(report.passes) == len({(p.graph, p.name) for p in report.passes})  # the first compile's records
