@@ -31,15 +31,16 @@ def resnet():
     return ResNet(ResNetConfig.tiny())
 
 
-@pytest.mark.parametrize("level", [1, 2])
-def test_resnet_equals_eager_with_every_convolution_fused(level):
+@pytest.mark.parametrize("level,host_graphs", [(1, False), (1, True), (2, False)])
+def test_resnet_equals_eager_with_every_convolution_fused(level, host_graphs):
     model = resnet()
     images = torch.randn(2, 3, 32, 32)
-    step = optimized(model, level)
+    step = optimized(model, level, use_cudagraph=host_graphs, cudagraph_capture_sizes=[2])
     with torch.inference_mode():
         expected = model(images)
-        for _ in range(2):
+        for _ in range(4):  # host graphs: warm-ups, a capture, replays
             assert_close_tree(step(images), expected, f"level {level}")
+    assert (step.report().replays > 0) == host_graphs
     counts = conv_counts(step)
     convs = sum(isinstance(m, nn.Conv2d) for m in model.modules())
     if level == 1:  # batch norm is still an op to fold; at level 2 Inductor has decomposed it
