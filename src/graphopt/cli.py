@@ -203,8 +203,13 @@ def _bench_parser(commands: argparse._SubParsersAction) -> None:
                     "(when installed), "
                     "timed in interleaved rounds in one process, every output checked against eager's; "
                     "start-up (cold and warm) and peak memory in fresh processes.")
-    parser.add_argument("--workloads", type=_names(list(bench.WORKLOADS)), default=list(bench.WORKLOADS),
-                        metavar="W,...", help=f"workloads to run: {', '.join(bench.WORKLOADS)} (default: all)")
+    usual = [w for w in bench.WORKLOADS if w not in bench.LARGE]
+    parser.add_argument("--workloads", type=_names(list(bench.WORKLOADS)), default=usual,
+                        metavar="W,...", help=f"workloads to run: {', '.join(bench.WORKLOADS)} (default: "
+                                              f"{', '.join(usual)})")
+    parser.add_argument("--large", action="store_true",
+                        help=f"also run the large workloads ({', '.join(bench.LARGE)}): a ResNet-18 and a "
+                             "BERT-base-sized encoder, minutes each at one thread")
     parser.add_argument("--contenders", type=_names(keys), default=keys, metavar="C,...",
                         help=f"contenders to run: {', '.join(keys)} (default: all; compile-ro is CUDA only)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -245,7 +250,8 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         except (OSError, ValueError) as error:
             print(f"graphopt bench: --docs {args.docs}: {error}", file=sys.stderr)
             return 2
-    options = bench.Options(args.workloads, args.contenders, args.device, args.quick,
+    workloads = args.workloads + [w for w in bench.LARGE if args.large and w not in args.workloads]
+    options = bench.Options(workloads, args.contenders, args.device, args.quick,
                             args.rounds or (2 if args.quick else 10),
                             not args.quick if args.startup is None else args.startup, torch.get_num_threads(),
                             shlex.join(["graphopt", *argv]), args.dtype)

@@ -19,7 +19,7 @@ from rich.console import Console
 from .contenders import contenders
 from .output import measured_section, present
 from .suite import Options, WorkloadResult, run, setup
-from .workloads import WORKLOADS
+from .workloads import LARGE, WORKLOADS
 
 
 def write(results: list[WorkloadResult], options: Options, out: Path, as_markdown: bool, console: Console,
@@ -28,4 +28,4 @@ def write(results: list[WorkloadResult], options: Options, out: Path, as_markdow
     return present(results, setup(options), out, as_markdown, console, docs, wide)
 
 
-__all__ = ["WORKLOADS", "Options", "WorkloadResult", "contenders", "measured_section", "run", "write"]
+__all__ = ["LARGE", "WORKLOADS", "Options", "WorkloadResult", "contenders", "measured_section", "run", "write"]

@@ -35,6 +35,7 @@ class Contender:
     device_graphs: bool = False
     mode: str | None = None   # torch.compile's mode
     tuned: bool = False       # graphopt with frozen weights and Inductor's autotuned GEMMs (TUNED)
+    frozen: bool = False      # graphopt with freeze_parameters=True (folded and packed weights)
 
     @property
     def competitor(self) -> bool:
@@ -59,6 +60,7 @@ def contenders(device: str) -> list[Contender]:
     for level in (0, 1, 2):
         found.append(Contender(f"L{level}", f"graphopt L{level}", "graphopt", level))
         found.append(Contender(f"L{level}+graphs", f"graphopt L{level} + {graphs}", "graphopt", level, True))
+    found.append(Contender("L1+frozen", "graphopt L1 frozen", "graphopt", 1, frozen=True))
     # "tuned": frozen weights and Inductor's autotuned GEMMs (TUNED); a short name keeps the table narrow.
     found.append(Contender("L2+tuned", "graphopt L2 tuned" + (f" + {graphs}" if cuda else ""),
                            "graphopt", 2, device_graphs=cuda, tuned=True))
@@ -75,7 +77,7 @@ def build(contender: Contender, workload: Workload, device: str) -> Step:
         return workload.bind(lambda target: torch.compile(target, mode=contender.mode))
     if contender.kind == "graphopt":
         tuned = dict(freeze_parameters=True, inductor_compile_config=TUNED[device.split(":")[0]]) \
-            if contender.tuned else {}
+            if contender.tuned else dict(freeze_parameters=True) if contender.frozen else {}
         config = GraphOptimizationConfig(graph_opt_level=contender.level, use_cudagraph=contender.device_graphs,
                                          cudagraph_capture_sizes=workload.capture_sizes, **tuned)
         return workload.bind(lambda target: optimize(target, config, pad_values=workload.pad_values))

@@ -224,5 +224,44 @@ def bert(sizes: Sizes) -> Workload:
     return Workload("bert", title, model, cases, capture_sizes=[c.items for c in cases])
 
 
+def resnet18(sizes: Sizes) -> Workload:
+    """torchvision's ResNet-18 layout on 3x112x112 images (64x64 with --quick)."""
+    from .vision import ResNet18
+
+    _manual_seed(0)
+    model = ResNet18().to(sizes.device, sizes.dtype)
+    size = sizes.pick(64, 112, 224)
+    generator = torch.Generator().manual_seed(1)
+    cases = [Case(f"batch {batch}", (torch.randn(batch, 3, size, size, generator=generator).to(sizes.device, sizes.dtype),),
+                  _call, batch, "images") for batch in sizes.pick((2,), (1, 8), (1, 32))]
+    title = f"ResNet-18 (torchvision's layout): {size}x{size} images, {sizes.dtype}"
+    return Workload("resnet18", title, model, cases, capture_sizes=[c.items for c in cases])
+
+
+def bert_base(sizes: Sizes) -> Workload:
+    """BERT-base's shape (hidden 768, 12 layers, 12 heads, 128 tokens) as a random
+    transformers BertModel; the `bert` workload's small one with --quick."""
+    if sizes.quick:
+        workload = bert(sizes)
+        workload.name = "bert-base"
+        return workload
+    import transformers
+
+    _manual_seed(0)
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=768, num_hidden_layers=12,
+                                     num_attention_heads=12, intermediate_size=3072)
+    model = BertEncoder(config).eval().to(sizes.device, sizes.dtype)
+    generator = torch.Generator().manual_seed(1)
+    cases = []
+    for batch in (1, 8):
+        ids = torch.randint(0, config.vocab_size, (batch, 128), generator=generator).to(sizes.device)
+        cases.append(Case(f"batch {batch}", (ids, torch.ones_like(ids)), _call, batch, "sequences"))
+    title = f"BERT-base encoder: hidden 768, 12 layers, 12 heads, sequence 128, {sizes.dtype}"
+    return Workload("bert-base", title, model, cases, capture_sizes=[c.items for c in cases])
+
+
 WORKLOADS: dict[str, Callable[[Sizes], Workload]] = {
-    "decoder": decoder, "hf-llama": hf_llama, "resnet": resnet, "bert": bert}
+    "decoder": decoder, "hf-llama": hf_llama, "resnet": resnet, "bert": bert,
+    "resnet18": resnet18, "bert-base": bert_base}
+# Run only when named or with `graphopt bench --large`: minutes each at one thread.
+LARGE = ("resnet18", "bert-base")

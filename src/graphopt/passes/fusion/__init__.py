@@ -37,6 +37,7 @@ def fusion_passes() -> dict[str, Callable]:
     from .activation import fuse_activations
     from .attention import fuse_attention
     from .collective import fuse_all_reduce_norms
+    from .conv import fuse_conv
     from .decode_attention import fuse_decode_attention
     from .eltwise import fuse_eltwise
     from .horizontal import fuse_horizontal_linear
@@ -51,7 +52,8 @@ def fusion_passes() -> dict[str, Callable]:
             # Before fuse_attention, which would make the same attention SDPA.
             "fuse_decode_attention": fuse_decode_attention, "fuse_attention": fuse_attention,
             "fuse_rotary": fuse_rotary, "fuse_activations": fuse_activations,
-            "fuse_eltwise": fuse_eltwise, "fuse_pooling": fuse_pooling,
+            # Before fuse_eltwise, which could take the residual add the convolution absorbs.
+            "fuse_conv": fuse_conv, "fuse_eltwise": fuse_eltwise, "fuse_pooling": fuse_pooling,
             "fuse_matmul_transpose": fuse_matmul_transpose, "fuse_horizontal_linear": fuse_horizontal_linear}
 
 

@@ -1,0 +1,53 @@
+"""oneDNN's fused convolution ops (`torch.ops.mkldnn`), which torch builds for
+Inductor's own CPU fusions and documents nowhere: the only place graphopt names them.
+
+`conv_pointwise` is `_convolution_pointwise(x, w, b, padding, stride, dilation,
+groups, unary, scalars, algorithm)`: a convolution with an activation as a oneDNN
+post-op. `conv_add` is its `.binary` overload, `(x, other, w, b, ..., "add", None,
+unary, scalars, algorithm)`: the convolution's output plus `other`, then the
+activation, in one call. Both return channels-last whatever the input's layout.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import torch
+
+
+@functools.cache
+def available() -> bool:
+    """Whether this torch has oneDNN and the fused convolution ops (and, registered
+    here on first use, a fake implementation of `conv_add`, which torch lacks)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops, "mkldnn")
+            and hasattr(torch.ops.mkldnn, "_convolution_pointwise")):
+        return False
+    try:
+        torch.library.register_fake("mkldnn::_convolution_pointwise.binary")(_conv_add_fake)
+    except RuntimeError:  # a torch that has its own
+        pass
+    return True
+
+
+def _conv_add_fake(x: torch.Tensor, other: torch.Tensor, w: torch.Tensor, b: Any, padding: Any, stride: Any,
+                   dilation: Any, groups: int, *_: Any) -> torch.Tensor:
+    return conv_pointwise()(x, w, b, padding, stride, dilation, groups, "none", [], None)
+
+
+def conv_pointwise() -> Any:
+    return torch.ops.mkldnn._convolution_pointwise.default
+
+
+def conv_add() -> Any:
+    return torch.ops.mkldnn._convolution_pointwise.binary
+
+
+def pack_conv_weight(weight: torch.Tensor, padding: Sequence[int], stride: Sequence[int],
+                     dilation: Sequence[int], groups: int, input_size: Sequence[int]) -> torch.Tensor:
+    """`weight` reordered once into the blocked layout oneDNN's kernel reads for an
+    input of `input_size` (an opaque mkldnn tensor; the ops above take it as their
+    weight). A dense weight is reordered at every call instead."""
+    return torch.ops.aten.mkldnn_reorder_conv2d_weight.default(
+        torch.ops.aten.to_mkldnn.default(weight), list(padding), list(stride), list(dilation), groups,
+        list(input_size))
