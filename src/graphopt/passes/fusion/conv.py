@@ -193,7 +193,9 @@ def _packed_weight(gm: torch.fx.GraphModule, conv: torch.fx.Node) -> torch.fx.No
         mkldnn.pack_conv_weight, (source, padding, stride, dilation, groups, size)))
     recipe = torch.fx.GraphModule(gm, recipe_graph)
     dense = gm.meta[FROZEN_INPUTS][w.name] if w.op == "placeholder" else getattr(gm, w.target)
-    with _compat.outside_fake_mode(), torch.no_grad():
+    # Not an inference tensor (a compile inside the caller's inference_mode, as refresh()
+    # compiling a level-2 graph again is): refresh() updates it in place outside that mode.
+    with _compat.outside_fake_mode(), torch.inference_mode(False), torch.no_grad():
         value = recipe(dense) if w.op == "placeholder" else recipe()
     name = next(f"_packed_{i}" for i in itertools.count() if not hasattr(gm, f"_packed_{i}"))
     gm.register_buffer(name, value, persistent=False)
