@@ -113,6 +113,9 @@ class GraphOptimizationConfig:
     cache_traces: bool = True
     # Inductor config keys for level 2, on top of graphopt's own (vLLM's inductor_compile_config).
     inductor_compile_config: dict[str, Any] = field(default_factory=dict)
+    # Engines ("onnxruntime", "openvino") each stateless graph is also timed on at compile
+    # time; the fastest whose outputs equal eager's runs it (executors.py). Empty: graphopt only.
+    executors: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _check_int("graph_opt_level", self.graph_opt_level, choices=GRAPH_OPT_LEVELS)
@@ -136,6 +139,7 @@ class GraphOptimizationConfig:
         self.cache_dir = _cache_dir(self.cache_dir)
         self.inductor_compile_config = _inductor_compile_config(self.inductor_compile_config,
                                                                 self.freeze_parameters)
+        self.executors = _executors(self.executors, self.freeze_parameters)
 
     def pass_enabled(self, name: str) -> bool:
         """Whether the graph pass ``name`` should run ("*" in disabled_passes turns all off)."""
@@ -164,6 +168,7 @@ class GraphOptimizationConfig:
         data["cudagraph_splitting_ops"] = list(self.cudagraph_splitting_ops)
         data["rowwise_ops"] = list(self.rowwise_ops)
         data["inductor_compile_config"] = dict(self.inductor_compile_config)
+        data["executors"] = list(self.executors)
         return data
 
     def to_json(self) -> str:
@@ -347,6 +352,25 @@ def _inductor_compile_config(value: object, freeze_parameters: bool) -> dict[str
                          "so in-place weight updates would silently not be seen; it needs "
                          "freeze_parameters=True, which says the weights are constant")
     return dict(value)
+
+
+EXECUTORS: Final = ("onnxruntime", "openvino")
+
+
+def _executors(value: object, freeze_parameters: bool) -> list[str]:
+    accepted = f'executors must be a list of engine names from {list(EXECUTORS)}, e.g. ["onnxruntime"]'
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{accepted}, got {_describe(value)}")
+    for i, name in enumerate(value):
+        if name not in EXECUTORS:
+            close = difflib.get_close_matches(name, EXECUTORS, n=1) if isinstance(name, str) else []
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"{accepted}; {name!r} at index {i} is not one{hint}")
+    if value and not freeze_parameters:
+        raise ValueError("executors: an engine takes the weights as its own constants, so in-place weight "
+                         "updates would not reach it; it needs freeze_parameters=True (refresh() then "
+                         "exports the weights again)")
+    return list(dict.fromkeys(value))
 
 
 def _check_keys(d: Mapping[Any, Any], accepted: tuple[str, ...]) -> None:

@@ -122,6 +122,9 @@ class Report:
     traces_used: int = 0      # stored traces this process ran instead of tracing the step
     repacks: int = 0          # level-2 graphs refresh() compiled again for Inductor's copies of the weights
     memory: list[MemoryRecord] = field(default_factory=list)
+    # The `executors` choice per graph: {"graph", "executor" (graphopt or the engine that runs it),
+    # "reason" (why it did not qualify, or what was timed), "seconds" (median per call, each timed)}.
+    executors: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # decisions made for the user: a key kept over a mode's
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -169,6 +172,7 @@ class Report:
                       "traces_stored": self.traces_stored, "traces_used": self.traces_used},
             "repacks": self.repacks,
             "memory": [m.to_dict() for m in self.memory],
+            "executors": [dict(e) for e in self.executors],
             "notes": list(self.notes),
         }
 
@@ -198,6 +202,9 @@ class Report:
                          + f", {self.traces_used} stored traces used, {self.traces_stored} stored")
         if self.repacks:
             lines.append(f"  refresh(): {self.repacks} graph(s) compiled again for Inductor's packed weights")
+        for e in self.executors:
+            timed = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in e["seconds"].items())
+            lines.append(f"  executor of graph {e['graph']}: {e['executor']} ({timed or e['reason']})")
         if self.captures or self.pieces:
             sizes = ", ".join(str(c.size) for c in self.captures)
             lines.append(f"  device graphs: {len(self.captures)} captured (sizes {sizes or '-'}), pool "
