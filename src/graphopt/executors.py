@@ -132,7 +132,7 @@ class _StateWatcher(TorchDispatchMode):
         if self.why is None:
             if is_collective_op(func):
                 self.why = f"it calls the collective {func.overloadpacket}"
-            elif torch.Tag.nondeterministic_seeded in func.tags:
+            elif torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs):
                 self.why = f"it draws random numbers ({func.overloadpacket})"
             for value in _compat.written_arguments(func, args, kwargs):
                 if isinstance(value, torch.Tensor) and self.why is None:
@@ -142,6 +142,13 @@ class _StateWatcher(TorchDispatchMode):
                         self.why = (f"it writes its input {written[0]} in place ({func.overloadpacket}): "
                                     "an engine's graph keeps no state between runs")
         return func(*args, **kwargs)
+
+
+def _draws(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a seeded op draws: attention and dropout ops with p=0 (or not training) do not."""
+    values = {a.name: (args[i] if i < len(args) else kwargs.get(a.name, a.default_value))
+              for i, a in enumerate(func._schema.arguments)}
+    return not (values.get("dropout_p", values.get("p")) == 0 or values.get("train") is False)
 
 
 class _Bound(torch.nn.Module):
@@ -262,7 +269,9 @@ def _openvino(model: bytes, threads: int) -> Callable[[list], list]:
         path = os.path.join(folder, "graph.onnx")
         with open(path, "wb") as f:
             f.write(model)
-        compiled = core.compile_model(core.read_model(path), "CPU", {"INFERENCE_NUM_THREADS": str(threads)})
+        compiled = core.compile_model(core.read_model(path), "CPU", {"INFERENCE_NUM_THREADS": str(threads),
+                                                                 # its default on CPUs with bf16 units is bf16
+                                                                 "INFERENCE_PRECISION_HINT": "f32"})
     request = compiled.create_infer_request()
     # The request's output buffers are its own, overwritten by the next run: copied out.
     return lambda arrays: [torch.from_numpy(o.copy()) for o in request.infer(arrays).values()]
