@@ -175,6 +175,7 @@ class _Bound(torch.nn.Module):
                 self.plan.append(("size", *_carrier(value, placeholders, example_inputs)))
             else:
                 self.plan.append(("constant", value))
+        self.eval()  # what the export records: an inference graph
 
     def forward(self, *live: torch.Tensor) -> tuple[torch.Tensor, ...]:
         args = []
@@ -241,7 +242,7 @@ def _session(engine: str, bound: _Bound, inputs: list) -> Callable[[list], list]
     import onnx  # noqa: F401  (the exporter needs onnx and onnxscript)
     import onnxscript  # noqa: F401
 
-    with _quiet(), _compat.outside_fake_mode(), torch.no_grad():
+    with quiet_export(), _compat.outside_fake_mode(), torch.no_grad():
         program = torch.onnx.export(bound, live, dynamo=True, dynamic_shapes=bound.dynamic_shapes())
     model = program.model_proto.SerializeToString()
     threads = torch.get_num_threads()  # the threads torch would use: a fair race
@@ -315,7 +316,7 @@ def _call(fn: Callable, inputs: list) -> Any:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def quiet_export() -> Iterator[None]:
     """The exporter prints its progress and logs warnings that concern no user."""
     loggers = [logging.getLogger(name) for name in ("torch.onnx", "onnxscript", "onnx_ir")]
     levels = [logger.level for logger in loggers]

@@ -5,18 +5,17 @@ can call."""
 
 from __future__ import annotations
 
-import contextlib
-import io
-import logging
+import importlib.util
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..api import optimize
-from ..config import GraphOptimizationConfig
+from ..config import EXECUTORS, GraphOptimizationConfig
+from ..executors import quiet_export
 from .workloads import Step, Workload
 
 
@@ -36,6 +35,7 @@ class Contender:
     mode: str | None = None   # torch.compile's mode
     tuned: bool = False       # graphopt with frozen weights and Inductor's autotuned GEMMs (TUNED)
     frozen: bool = False      # graphopt with freeze_parameters=True (folded and packed weights)
+    engines: bool = False     # and executors=ENGINES: each stateless graph on the fastest engine (executors.py)
 
     @property
     def competitor(self) -> bool:
@@ -61,6 +61,7 @@ def contenders(device: str) -> list[Contender]:
         found.append(Contender(f"L{level}", f"graphopt L{level}", "graphopt", level))
         found.append(Contender(f"L{level}+graphs", f"graphopt L{level} + {graphs}", "graphopt", level, True))
     found.append(Contender("L1+frozen", "graphopt L1 frozen", "graphopt", 1, frozen=True))
+    found.append(Contender("L1+engines", "graphopt L1 + engines", "graphopt", 1, frozen=True, engines=True))
     # "tuned": frozen weights and Inductor's autotuned GEMMs (TUNED); a short name keeps the table narrow.
     found.append(Contender("L2+tuned", "graphopt L2 tuned" + (f" + {graphs}" if cuda else ""),
                            "graphopt", 2, device_graphs=cuda, tuned=True))
@@ -76,10 +77,14 @@ def build(contender: Contender, workload: Workload, device: str) -> Step:
     if contender.kind == "torch.compile":
         return workload.bind(lambda target: torch.compile(target, mode=contender.mode))
     if contender.kind == "graphopt":
-        tuned = dict(freeze_parameters=True, inductor_compile_config=TUNED[device.split(":")[0]]) \
+        extra = dict(freeze_parameters=True, inductor_compile_config=TUNED[device.split(":")[0]]) \
             if contender.tuned else dict(freeze_parameters=True) if contender.frozen else {}
+        if contender.engines and device.startswith("cuda"):
+            raise Unavailable("the engines of executors= run on the CPU here; left out with --device cuda")
+        if contender.engines:
+            extra["executors"] = [e for e in EXECUTORS if importlib.util.find_spec(e) is not None]
         config = GraphOptimizationConfig(graph_opt_level=contender.level, use_cudagraph=contender.device_graphs,
-                                         cudagraph_capture_sizes=workload.capture_sizes, **tuned)
+                                         cudagraph_capture_sizes=workload.capture_sizes, **extra)
         return workload.bind(lambda target: optimize(target, config, pad_values=workload.pad_values))
     if contender.kind == "openvino":
         return _openvino(workload, device)
@@ -131,7 +136,7 @@ class OnnxStep:
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def _session(self, args: tuple[torch.Tensor, ...]) -> Any:
-        with _quiet():
+        with quiet_export():
             program = torch.onnx.export(self.model, args, dynamo=True)
         options = self.ort.SessionOptions()
         options.graph_optimization_level = self.ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -142,22 +147,6 @@ class OnnxStep:
         options.add_session_config_entry("session.inter_op.allow_spinning", "0")
         return self.ort.InferenceSession(program.model_proto.SerializeToString(), options,
                                          providers=["CPUExecutionProvider"])
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """The exporter prints its progress and logs warnings (missing torchvision ops);
-    none of it concerns a benchmark, and it would tear the progress bar."""
-    loggers = [logging.getLogger(name) for name in ("torch.onnx", "onnxscript", "onnx_ir")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
 
 
 def describe(step: Step, contender: Contender) -> tuple[str, list[str]]:
