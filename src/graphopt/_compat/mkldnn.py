@@ -51,3 +51,16 @@ def pack_conv_weight(weight: torch.Tensor, padding: Sequence[int], stride: Seque
     return torch.ops.aten.mkldnn_reorder_conv2d_weight.default(
         torch.ops.aten.to_mkldnn.default(weight), list(padding), list(stride), list(dilation), groups,
         list(input_size))
+
+
+def linear_pointwise() -> Any:
+    """`_linear_pointwise(x, w, b, unary, scalars, algorithm)`: a linear with an
+    activation as a oneDNN post-op ("gelu" with algorithm "none" or "tanh", "relu",
+    "none"); x of any rank, the result dense like `linear`'s."""
+    return torch.ops.mkldnn._linear_pointwise.default
+
+
+def pack_linear_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """`weight` ([out, in]) reordered once into oneDNN's blocked layout for inputs of
+    about `rows` rows (any row count runs on it)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows)

@@ -48,7 +48,7 @@ class PassVerificationError(RuntimeError):
 def builtin_passes() -> dict[str, PassFn]:
     """Every pass graphopt ships, by name (the names `disabled_passes` takes)."""
     from . import algebraic, cleanup, constant_fold, layout, memory_plan, redundant, reinplace
-    from .fusion import fusion_passes, linear
+    from .fusion import fusion_passes, linear, packed_linear
 
     return {
         **fusion_passes(),
@@ -60,6 +60,7 @@ def builtin_passes() -> dict[str, PassFn]:
         "fold_constants": constant_fold.fold_constants,
         "recompose_linear": linear.recompose_linear,
         "recompose_matmul": linear.recompose_matmul,
+        "fuse_packed_linear": packed_linear.fuse_packed_linear,
         "convert_layout": layout.convert_layout,
         "reinplace_input_mutations": reinplace.reinplace_input_mutations,
         "reinplace_intermediates": reinplace.reinplace_intermediates,
@@ -81,12 +82,16 @@ def _fusions() -> list[str]:
 # Mutation-introducing passes go last: the passes before them see a functional graph.
 # At level 2 Inductor re-inplaces input mutations itself and expects a functional graph,
 # and it lowers a decomposed linear better than an `aten.linear` call.
+# fuse_packed_linear is level 1 only: it reads the `linear` that recompose_linear makes,
+# and at level 2 Inductor's own freezing (inductor_compile_config={"freezing": True})
+# packs linear weights for oneDNN itself.
 # convert_layout is level 1 only: Inductor chooses channels-last for convolution graphs
 # itself (GraphLowering.decide_layout_opt, always on CPU with oneDNN), and would have to
 # honour graphopt's explicit clones as copies.
 PIPELINES: dict[int, list[str]] = {
     0: [],
-    1: [*CLEANUP, *_fusions(), "recompose_linear", "recompose_matmul", "convert_layout",
+    1: [*CLEANUP, *_fusions(), "recompose_linear", "recompose_matmul", "fuse_packed_linear",
+        "convert_layout",
         "reinplace_input_mutations", "reinplace_intermediates", "plan_memory"],
     2: [*CLEANUP, *_fusions()],
 }

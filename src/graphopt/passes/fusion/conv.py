@@ -68,7 +68,7 @@ def fuse_conv(gm: torch.fx.GraphModule) -> PassResult:
     return PassResult(changed=bool(counts), counts=counts)
 
 
-def _constant(gm: torch.fx.GraphModule, node: Any, facts: GraphFacts) -> bool:
+def frozen_constant(gm: torch.fx.GraphModule, node: Any, facts: GraphFacts) -> bool:
     """A frozen parameter or a tensor attribute that the graph neither writes nor returns."""
     if not isinstance(node, torch.fx.Node) or alias_root(node) in facts.written | facts.returned:
         return False
@@ -93,8 +93,8 @@ def _fold_batch_norm(gm: torch.fx.GraphModule, bn: torch.fx.Node, facts: GraphFa
     if len(outs) != len(bn.users) or any(u.args[1] != 0 for u in outs):
         return False  # the saved mean and rstd are read (training graphs)
     w, b = conv.args[1], conv.args[2]
-    if not all(_constant(gm, n, facts) for n in (w, mean, var)) \
-            or not all(n is None or _constant(gm, n, facts) for n in (b, weight, bias)):
+    if not all(frozen_constant(gm, n, facts) for n in (w, mean, var)) \
+            or not all(n is None or frozen_constant(gm, n, facts) for n in (b, weight, bias)):
         return False
     graph, added = gm.graph, []
 
@@ -142,7 +142,8 @@ def _fuse_pointwise(gm: torch.fx.GraphModule, conv: torch.fx.Node, facts: GraphF
     """Rewrite one convolution (and its add and activation) as a oneDNN call; the kind
     of fusion made ("conv", "conv_relu", "conv_add", "conv_add_relu"), or "" for none."""
     x, w, b, stride, padding, dilation, _transposed, _output_padding, groups = conv.args
-    if not (_cpu_float32_conv(conv) and _constant(gm, w, facts) and (b is None or _constant(gm, b, facts))
+    if not (_cpu_float32_conv(conv) and frozen_constant(gm, w, facts)
+            and (b is None or frozen_constant(gm, b, facts))
             and alias_root(x) not in facts.written and all(isinstance(s, int) for s in value_of(w).shape)):
         return ""
     last, other, unary = conv, None, None
@@ -172,7 +173,7 @@ def _fuse_pointwise(gm: torch.fx.GraphModule, conv: torch.fx.Node, facts: GraphF
     vals = restrided(gm, {last: val}, fake_mode) if val is not None else None
     if vals is None:
         gm.graph.erase_node(fused)
-        _drop_packed(gm, packed)
+        drop_packed(gm, packed)
         return ""
     fused.meta = {**last.meta, "val": vals.pop(last), FUSED_TAG: "conv" + "_add" * (other is not None)
                   + f"_{unary}" * (unary is not None)}
@@ -183,14 +184,18 @@ def _fuse_pointwise(gm: torch.fx.GraphModule, conv: torch.fx.Node, facts: GraphF
 
 
 def _packed_weight(gm: torch.fx.GraphModule, conv: torch.fx.Node) -> torch.fx.Node:
-    """A `_packed_<i>` attribute: the convolution's weight packed for its input size,
-    with a refresh recipe when the weight comes from frozen parameters."""
+    """The convolution's weight packed for its input size (`packed_weight`)."""
     x, w, _b, stride, padding, dilation, _t, _o, groups = conv.args
     size = [_compat.size_hint(s) for s in value_of(x).shape]
+    return packed_weight(gm, w, mkldnn.pack_conv_weight, (padding, stride, dilation, groups, size))
+
+
+def packed_weight(gm: torch.fx.GraphModule, w: torch.fx.Node, pack: Any, args: tuple) -> torch.fx.Node:
+    """A `_packed_<i>` attribute: `pack(w, *args)`, with a refresh recipe when the
+    weight comes from frozen parameters (or from a constant folded from them)."""
     recipe_graph = torch.fx.Graph()
     source = recipe_graph.placeholder(w.name) if w.op == "placeholder" else recipe_graph.get_attr(w.target)
-    recipe_graph.output(recipe_graph.call_function(
-        mkldnn.pack_conv_weight, (source, padding, stride, dilation, groups, size)))
+    recipe_graph.output(recipe_graph.call_function(pack, (source, *args)))
     recipe = torch.fx.GraphModule(gm, recipe_graph)
     dense = gm.meta[FROZEN_INPUTS][w.name] if w.op == "placeholder" else getattr(gm, w.target)
     # Not an inference tensor (a compile inside the caller's inference_mode, as refresh()
@@ -207,7 +212,7 @@ def _packed_weight(gm: torch.fx.GraphModule, conv: torch.fx.Node) -> torch.fx.No
     return node
 
 
-def _drop_packed(gm: torch.fx.GraphModule, packed: torch.fx.Node) -> None:
+def drop_packed(gm: torch.fx.GraphModule, packed: torch.fx.Node) -> None:
     gm.graph.erase_node(packed)
     gm.meta.get(FOLDED_RECIPES, {}).pop(packed.target, None)
     delattr(gm, packed.target)

@@ -1,0 +1,121 @@
+"""fuse_packed_linear: linears on frozen weights packed once for oneDNN, with the GELU
+or ReLU that follows as a post-op (level 1, CPU, float32); small GEMMs gated."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import graphopt
+from graphopt._compat import mkldnn
+from graphopt.passes.constant_fold import FROZEN_INPUTS
+from graphopt.passes.fusion.linear import recompose_linear
+from graphopt.passes.fusion.packed_linear import fuse_packed_linear
+from support import aot_graph, assert_close_tree, targets
+
+pytestmark = pytest.mark.skipif(not mkldnn.available(), reason="torch built without oneDNN")
+aten = torch.ops.aten
+
+
+class Mlp(nn.Module):
+    def __init__(self, approximate="none"):
+        super().__init__()
+        self.up, self.down, self.approximate = nn.Linear(64, 256), nn.Linear(256, 64), approximate
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x), approximate=self.approximate)) + x
+
+
+def counts(step):
+    return {k: v for p in step.report().passes if p.name == "fuse_packed_linear" for k, v in p.counts.items()}
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_an_mlp_equals_eager_packed_with_its_gelu(approximate):
+    torch.manual_seed(0)
+    model = Mlp(approximate).eval()
+    step = graphopt.optimize(copy.deepcopy(model), graphopt.GraphOptimizationConfig(freeze_parameters=True))
+    x = torch.randn(8, 64, 64)  # 512 rows: 2M+ multiply-adds per linear
+    with torch.inference_mode():
+        for _ in range(4):  # warm-ups, a host-graph capture, replays
+            assert_close_tree(step(x), model(x), approximate)
+    assert counts(step) == {"linear_gelu": 1, "linear": 1}
+
+
+def test_refresh_repacks_the_weights():
+    torch.manual_seed(0)
+    model = Mlp().eval()
+    step = graphopt.optimize(model, graphopt.GraphOptimizationConfig(freeze_parameters=True, use_cudagraph=False))
+    x = torch.randn(8, 64, 64)
+    with torch.inference_mode():
+        step(x)
+        with torch.no_grad():
+            model.up.weight.mul_(1.5)
+        stale = step(x)
+        assert step.refresh() > 0
+        fresh = model(x)
+        assert not torch.allclose(stale, fresh)
+        assert_close_tree(step(x), fresh, "after refresh()")
+
+
+def run_pass(fn, args, frozen):
+    """The pass on `fn`'s ATen graph (linears recomposed first, as at level 1); a
+    GEMM of 8x64 rows x 128 x 96 is over the gate (6M multiply-adds)."""
+    graph = aot_graph(fn, *args)
+    placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
+    graph.gm.meta[FROZEN_INPUTS] = {p.name: args[i] for p, i in zip(placeholders, graph.order) if i in frozen}
+    expected = graph(*args)
+    recompose_linear(graph.gm)
+    result = fuse_packed_linear(graph.gm)
+    graph.gm.graph.lint()
+    graph.gm.recompile()
+    assert_close_tree(graph(*args), expected, fn.__name__)
+    return graph, result
+
+
+def linear_relu(x, w, b):
+    return F.relu(F.linear(x, w, b)).sum()
+
+
+def test_linear_relu_is_one_call():
+    graph, result = run_pass(linear_relu, (torch.randn(8, 64, 128), torch.randn(96, 128), torch.randn(96)), {1, 2})
+    assert result.counts == {"linear_relu": 1}
+    assert targets(graph) == [mkldnn.linear_pointwise(), aten.sum.default]
+
+
+def test_a_small_gemm_is_gated():
+    graph, result = run_pass(linear_relu, (torch.randn(2, 8, 16), torch.randn(8, 16), torch.randn(8)), {1, 2})
+    assert result.counts == {"gated": 1} and aten.linear.default in targets(graph)
+
+
+def test_a_live_weight_is_left_alone():
+    graph, result = run_pass(linear_relu, (torch.randn(8, 64, 128), torch.randn(96, 128), torch.randn(96)), {2})
+    assert not result.changed and aten.linear.default in targets(graph)
+
+
+def gelu_read_twice(x, w):
+    y = F.linear(x, w)
+    return F.gelu(y).sum() + y.mean()
+
+
+def test_an_activation_whose_input_is_read_elsewhere_stays_outside():
+    graph, result = run_pass(gelu_read_twice, (torch.randn(8, 64, 128), torch.randn(96, 128)), {1})
+    assert result.counts == {"linear": 1} and aten.gelu.default in targets(graph)
+
+
+def test_other_dtypes_are_left_alone():
+    args = (torch.randn(8, 64, 128, dtype=torch.bfloat16), torch.randn(96, 128, dtype=torch.bfloat16),
+            torch.randn(96, dtype=torch.bfloat16))
+    graph, result = run_pass(linear_relu, args, {1, 2})
+    assert not result.changed
+
+
+def test_not_frozen_leaves_linears():
+    model = Mlp().eval()
+    step = graphopt.optimize(copy.deepcopy(model), graphopt.GraphOptimizationConfig(use_cudagraph=False))
+    x = torch.randn(8, 64, 64)
+    with torch.inference_mode():
+        assert_close_tree(step(x), model(x), "not frozen")
+    assert counts(step) == {}
