@@ -219,6 +219,9 @@ def _bench_parser(commands: argparse._SubParsersAction) -> None:
                              "multiply bfloat16 in hardware (AVX512-BF16, AMX)")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: tiny shapes, 2 rounds, no start-up runs unless --startup")
+    parser.add_argument("--profile", action="store_true",
+                        help="also break each contender's time down by op class (conv, GEMM, norm, attention, "
+                             "elementwise, outside ops): torch's profiler, and ONNX Runtime's own")
     parser.add_argument("--rounds", type=_int_in(1), default=None, metavar="R",
                         help="interleaved timing rounds per case (default: 10, 2 with --quick)")
     parser.add_argument("--startup", action=argparse.BooleanOptionalAction, default=None,
@@ -254,7 +257,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     options = bench.Options(workloads, args.contenders, args.device, args.quick,
                             args.rounds or (2 if args.quick else 10),
                             not args.quick if args.startup is None else args.startup, torch.get_num_threads(),
-                            shlex.join(["graphopt", *argv]), args.dtype)
+                            shlex.join(["graphopt", *argv]), args.dtype, args.profile)
     console = Console()
     if not console.is_terminal:
         console = Console(width=220)  # in a log or a pipe, --wide's columns unwrapped

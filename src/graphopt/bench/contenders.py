@@ -125,28 +125,44 @@ class OnnxStep:
     def __init__(self, model: torch.nn.Module, onnxruntime: Any) -> None:
         self.model, self.ort = model, onnxruntime
         self.sessions: dict[tuple, Any] = {}
+        self.models: dict[tuple, bytes] = {}  # the exported model per input shape
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        key = tuple((tuple(a.shape), a.dtype) for a in args)
+        key = _key(args)
         if key not in self.sessions:
-            self.sessions[key] = self._session(args)
+            self.sessions[key] = self._session(self._model(args))
         session = self.sessions[key]
         feeds = {i.name: a.numpy() for i, a in zip(session.get_inputs(), args)}
         outputs = [torch.from_numpy(o) for o in session.run(None, feeds)]
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
-    def _session(self, args: tuple[torch.Tensor, ...]) -> Any:
-        with quiet_export():
-            program = torch.onnx.export(self.model, args, dynamo=True)
-        options = self.ort.SessionOptions()
+    def profiling(self, args: tuple[torch.Tensor, ...]) -> tuple[Callable[[Any], Any], dict]:
+        """For --profile: a maker of this shape's session with given SessionOptions, and its feeds."""
+        model = self._model(args)
+        session = self._session(model)
+        return (lambda options: self._session(model, options),
+                {i.name: a.numpy() for i, a in zip(session.get_inputs(), args)})
+
+    def _model(self, args: tuple[torch.Tensor, ...]) -> bytes:
+        key = _key(args)
+        if key not in self.models:
+            with quiet_export():
+                self.models[key] = torch.onnx.export(self.model, args, dynamo=True).model_proto.SerializeToString()
+        return self.models[key]
+
+    def _session(self, model: bytes, options: Any = None) -> Any:
+        options = options or self.ort.SessionOptions()
         options.graph_optimization_level = self.ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.intra_op_num_threads = torch.get_num_threads()  # the same threads as torch's contenders
         # ORT's idle threads spin by default, which takes the cores from whichever
         # contender runs next in the round.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.add_session_config_entry("session.inter_op.allow_spinning", "0")
-        return self.ort.InferenceSession(program.model_proto.SerializeToString(), options,
-                                         providers=["CPUExecutionProvider"])
+        return self.ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def _key(args: tuple[torch.Tensor, ...]) -> tuple:
+    return tuple((tuple(a.shape), a.dtype) for a in args)
 
 
 def describe(step: Step, contender: Contender) -> tuple[str, list[str]]:

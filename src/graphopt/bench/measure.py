@@ -53,6 +53,7 @@ class CaseResult:
     floor_us: float | None = None
     floor_how: str = ""
     best_competitor: str = ""
+    profiles: dict[str, dict[str, float]] = field(default_factory=dict)  # --profile: contender -> class shares
 
 
 def tolerance(dtype: torch.dtype) -> tuple[float, float]:

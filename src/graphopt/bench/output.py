@@ -115,6 +115,20 @@ def startup_cells(startup: dict[str, dict[str, Any]], device: str) -> Cells:
     return table
 
 
+PROFILE_CAPTION = ("share of one run: torch's profiler (each op's own time) for torch's contenders, ONNX "
+                   "Runtime's session profiling for it; 'outside ops' is framework overhead and code no "
+                   "profiler names an op (Inductor's C++ kernels, an engine behind executors)")
+
+
+def profile_cells(profiles: dict[str, dict[str, float]]) -> Cells:
+    """One row per contender: its run's time and each op class's share of it."""
+    from .profile import OP_CLASSES
+
+    rows = [[name, duration(shares["wall_s"] * 1e6), *(f"{shares[c] * 100:.0f} %" for c in OP_CLASSES)]
+            for name, shares in profiles.items()]
+    return Cells(["contender", "run", *OP_CLASSES], rows, [False] * len(rows))
+
+
 def rich_table(title: str, caption: str, table: Cells, wide: bool = False) -> Table:
     """The table for a terminal; without `wide`, the WRAP columns wrap at their widths."""
     found = Table(title=title, caption=caption, caption_justify="left")
@@ -154,7 +168,8 @@ def to_json(setup: dict[str, Any], workloads: dict[str, dict[str, Any]]) -> str:
                           "best_us": r.best_us, "times_us": [round(t, 2) for t in r.times_us],
                           "vs_eager": r.vs_eager, "vs_best_competitor": r.vs_competitor,
                           "vs_floor": r.vs_floor, "outputs_equal": r.outputs_equal, "max_abs_diff": r.max_diff,
-                          "note": r.note, "reasons": r.reasons, "warmup_s": r.warmup_s} for r in result.rows]}
+                          "note": r.note, "reasons": r.reasons, "warmup_s": r.warmup_s} for r in result.rows],
+                "profiles": result.profiles}
 
     out = {name: {**found, "cases": [case(r) for r in found["cases"]]} for name, found in workloads.items()}
     return json.dumps({"setup": setup, "workloads": out}, indent=2, allow_nan=True)
@@ -207,6 +222,8 @@ def present(results: list[WorkloadResult], setup: dict[str, Any], out: Path, as_
                f"> 1 is faster · outputs within rtol/atol {tolerance_text(setup)} of eager's")
     for result in results:
         tables = [(result.title, caption, result_cells(result.cases, wide))]
+        tables.extend((f"{result.name}, {case.case}: where the time goes, by op class", PROFILE_CAPTION,
+                       profile_cells(case.profiles)) for case in result.cases if case.profiles)
         if result.startup:
             tables.append((f"{result.name}: start-up to the first output, in fresh processes",
                            "cold: an empty GRAPHOPT_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR; warm: the same "

@@ -16,9 +16,10 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .contenders import Contender, Unavailable, build, contenders, describe
+from .contenders import Contender, OnnxStep, Unavailable, build, contenders, describe
 from .measure import (EAGER, CaseResult, Row, compare, fill_ratios, gemm_floor, interleaved_rounds,
                       tolerance, warm_up)
+from .profile import profile_case
 from .startup import measure_startup
 from .workloads import WORKLOADS, Case, Sizes, Step
 
@@ -38,6 +39,7 @@ class Options:
     threads: int = 1
     command: str = "graphopt bench"  # the command line, as the docs' measured section cites it
     precision: str | None = None     # --dtype: the workloads' dtype (None: the device's default)
+    profile: bool = False            # --profile: each contender's time by op class (profile.py)
 
     @property
     def target_s(self) -> float:
@@ -125,7 +127,18 @@ def _case(case: Case, steps: dict[str, Step], kinds: dict[str, Contender], optio
         result.rows.append(Row(name, kinds[name].competitor, times[name], equal, diff, note, reasons,
                                warmup_s[name]))
     fill_ratios(result)
+    if options.profile:
+        tick("profiling by op class")
+        result.profiles = _profiles(case, steps, kinds, runs, options)
     return result
+
+
+def _profiles(case: Case, steps: dict[str, Step], kinds: dict[str, Contender], runs: dict[str, Callable],
+              options: Options) -> dict[str, dict[str, float]]:
+    """Each contender's time by op class (OpenVINO's runs no profiler here sees into)."""
+    onnx = {name: step.profiling(case.inputs) for name, step in steps.items() if isinstance(step, OnnxStep)}
+    torch_runs = {name: runs[name] for name in steps if kinds[name].kind != "openvino" and name not in onnx}
+    return profile_case(torch_runs, onnx, 2 if options.quick else 5)
 
 
 def setup(options: Options) -> dict[str, Any]:
