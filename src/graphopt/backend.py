@@ -24,6 +24,7 @@ import torch.fx
 
 from . import _compat, cache, modes
 from .backend_cache import BackendCache, device_type
+from ._compat import autotune
 from ._compat import cache as compat_cache
 from ._compat import traces as compat_traces
 from .config import WEIGHT_COPYING_INDUCTOR_OPTIONS, GraphOptimizationConfig
@@ -53,13 +54,19 @@ class NotStorable(Exception):
     """Why a stored trace cannot be used: its graph is gone from the compile cache."""
 
 
-def inductor_options(device_type: str, cached: bool) -> dict[str, Any]:
+def inductor_options(device_type: str, cached: bool, frozen: bool = False) -> dict[str, Any]:
     """The Inductor settings graphopt uses at level 2 (measured: docs/configuration.md)."""
     options: dict[str, Any] = {
         # Without graphopt's cache a hit in Inductor's would skip the passes and leave
         # the report without them; with it, graphopt's cache holds their records.
         "fx_graph_cache": cached,
     }
+    if device_type == "cpu" and frozen:
+        # Each GEMM on a constant weight timed with Inductor's C++ template (the weight
+        # packed for its micro-kernel) and with ATen's, the faster kept, measured in
+        # this process on this machine (not from Inductor's cache) so the report can
+        # say what was chosen (GraphRecord.gemms). docs/configuration.md has the figures.
+        options.update(max_autotune_gemm=True, max_autotune_gemm_backends="CPP,ATEN", autotune_local_cache=False)
     if device_type == "cpu" and not _compat.distributed_initialized():
         # A C++ wrapper instead of a Python one: the decode step of the tiny decoder
         # runs ~2x faster (100 vs 196 us at batch 1) for ~2x the compile time. It
@@ -273,16 +280,19 @@ class Backend:
         def post_grad_pass(graph: torch.fx.Graph) -> None:
             optimized.append((graph.owning_module, self._optimize(graph.owning_module, record, real_inputs, kinds)))
 
-        options = {**inductor_options(device_type(real_inputs), cached=key is not None),
+        options = {**inductor_options(device_type(real_inputs), cached=key is not None,
+                                      frozen=self.config.freeze_parameters),
                    **self.config.inductor_compile_config}
         # With the cache on, AOTAutograd's entry holds the compiled code itself, so a
         # stored trace can carry it (traces.py).
-        with compat_traces.bundled_inductor_cache() if key is not None else contextlib.nullcontext():
+        with compat_traces.bundled_inductor_cache() if key is not None else contextlib.nullcontext(), \
+                autotune.gemm_choices() as gemms:
             compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, self.cache.pass_uuid(), options)
             if key is not None and not optimized and stored is None:
                 # Inductor's cache had the code but graphopt's records are gone: compile once more for them.
                 options["force_disable_caches"] = True
                 compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, self.cache.pass_uuid(), options)
+        record.gemms = gemms
         if optimized:
             self.cache.store(key, {**optimized[-1][1], "direct": None}, optimized[-1][0])
         elif stored is not None:
