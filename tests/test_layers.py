@@ -9,11 +9,14 @@ passes, nor the passes the runtime; the api reaches both only through the backen
 Tools (bench, cli) and the package's `__init__` (the public API) may import anything.
 
 Imports inside functions count too: a deferred import is still a dependency.
+Private torch (`torch._dynamo`, `torch.utils._pytree`, ...) is named only in
+`_compat/`, so a torch upgrade that moves something breaks one folder.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -88,3 +91,20 @@ def test_the_check_sees_a_wrong_import(tmp_path, monkeypatch):
     module.write_text("from ..passes.memory_plan import plan\nimport graphopt.api\n"
                       "def f():\n    from .. import backend\n    from . import capture\n")
     assert imported(module) == {("passes", 1), ("api", 2), ("backend", 4), ("runtime", 5)}
+
+
+PRIVATE_TORCH = re.compile(r"torch\._[A-Za-z]|^\s*(from|import) torch(\.\w+)*\._\w+")
+
+
+def test_private_torch_only_in_compat():
+    found = [f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}" for path in modules()
+             if "_compat" not in path.relative_to(PACKAGE).parts
+             for number, line in enumerate(path.read_text().splitlines(), 1) if PRIVATE_TORCH.search(line)]
+    assert not found, "private torch outside _compat/ (add a name to _compat/names.py):\n" + "\n".join(found)
+
+
+def test_the_private_torch_check_sees_each_form():
+    lines = ["x = torch._dynamo.config", "from torch.utils._pytree import tree_map",
+             "import torch.distributed._functional_collectives as funcol", "isinstance(t, torch._ops.OpOverload)"]
+    assert all(PRIVATE_TORCH.search(line) for line in lines)
+    assert not any(PRIVATE_TORCH.search(line) for line in ["import torch.fx", "torch.ops.aten._to_copy", "t._base"])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -23,10 +24,11 @@ import torch
 import torch.fx
 
 from . import _compat, cache, modes
-from .backend_cache import BackendCache, device_type
 from ._compat import autotune
 from ._compat import cache as compat_cache
 from ._compat import traces as compat_traces
+from ._compat.names import RECOMPILE_LIMIT
+from .backend_cache import BackendCache, device_type
 from .config import WEIGHT_COPYING_INDUCTOR_OPTIONS, GraphOptimizationConfig
 from .lowering import lower_to_bindings
 from .passes.manager import PassManager, check_pass_names
@@ -102,6 +104,8 @@ class Backend:
         self._levels: dict[str, int] = {}
         self._configure(mode)
         _compat.allow_recompiles(RECOMPILE_BUDGET)
+        # Given back when the Backend goes: no lasting change to the process's Dynamo limit.
+        weakref.finalize(self, _compat.allow_recompiles, -RECOMPILE_BUDGET)
         _compat.on_recompile_limit(self._gave_up)
 
     def _configure(self, mode: str | None) -> None:
@@ -380,7 +384,7 @@ class Backend:
     def _gave_up(self, message: str) -> None:
         if self._report.graphs or self._report.pieces:
             self._report.fallback(f"Dynamo gave up compiling and runs a frame eagerly: {message}; "
-                                  "raise torch._dynamo.config.recompile_limit")
+                                  f"raise {RECOMPILE_LIMIT}")
 
 
 def _rebuilt(config: GraphOptimizationConfig, dynamic_dims: Any, pad_values: Any, mode: str | None) -> Backend:

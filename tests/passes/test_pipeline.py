@@ -89,7 +89,8 @@ def test_level_2_folds_and_refreshes_inside_inductor():
         assert counts["fold_constants"] == {"folded": 1}
 
         model.weight.mul_(-2)
-        assert sum(refresh_folded_constants(gm) for gm in opt.graphs()) == 1
+        # The folded weight is a constant Inductor's GEMM template packs: refresh() compiles again.
+        assert opt.refresh() == 1 and opt.report().repacks == 1
         torch.testing.assert_close(opt(x), model(x))
 
 

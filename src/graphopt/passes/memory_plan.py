@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_leaves
 
 from .. import _compat
+from .._compat.names import Argument, FunctionSchema, OpOverload, tree_leaves
 from ..arena import Plan, aligned, live_bytes, plan_offsets
 from ..report import MemoryRecord
 from .base import PassResult
@@ -62,7 +62,7 @@ def _results(node: torch.fx.Node, found: dict[torch.fx.Node, list[Storage]]) -> 
         return [parents[index]] if isinstance(index, int) and -len(parents) <= index < len(parents) else own
     if node.target in _RETURNS_INPUT:  # the same memory, though the schema does not say so
         return [found[node.args[0]][0]] if node.args[0] in found else own
-    if not isinstance(node.target, torch._ops.OpOverload):
+    if not isinstance(node.target, OpOverload):
         return own  # a higher-order op or a Python function: assume new memory
     schema = node.target._schema
     returns = list(schema.returns) * count if len(schema.returns) == 1 else list(schema.returns)
@@ -73,7 +73,7 @@ def _results(node: torch.fx.Node, found: dict[torch.fx.Node, list[Storage]]) -> 
     return results
 
 
-def _aliased_argument(node: torch.fx.Node, schema: torch._C.FunctionSchema, ret: torch._C.Argument):
+def _aliased_argument(node: torch.fx.Node, schema: FunctionSchema, ret: Argument):
     """The input node a result aliases (`Tensor(a) self` -> `Tensor(a)`), or None."""
     if ret.alias_info is None:
         return None

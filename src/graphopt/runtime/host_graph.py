@@ -48,10 +48,9 @@ from typing import Any, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from .. import _compat
+from .._compat.names import TorchDispatchMode, tree_leaves
 from ..arena import plan_offsets
 from . import native_tape
 from .safety import CaptureGuard
