@@ -8,6 +8,7 @@ import torch
 import torch._dynamo
 
 import graphopt
+from graphopt import _compat
 from graphopt.config import tolerance
 from graphopt.models import Decoder, DecoderConfig
 from support import decode_inputs
@@ -182,3 +183,18 @@ def test_a_level_2_backend_starts_inductors_cpu_isa_checks_at_once(tmp_path):
     done = subprocess.run([sys.executable, "-c", ISA_CHECKS], capture_output=True, text=True, timeout=600,
                           env=env, check=False)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_a_backend_gives_its_recompile_budget_back_when_it_goes():
+    """Each Backend raises Dynamo's per-function recompile limit by its share while it
+    lives (its graphs count against that limit) and lowers it again when it is gone."""
+    import gc
+
+    from graphopt.backend import RECOMPILE_BUDGET
+
+    before = _compat.recompile_limit()
+    backend = graphopt.Backend(graphopt.GraphOptimizationConfig(graph_opt_level=1))
+    assert _compat.recompile_limit() == before + RECOMPILE_BUDGET
+    del backend
+    gc.collect()
+    assert _compat.recompile_limit() == before

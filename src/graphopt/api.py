@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from . import _compat
+from ._compat.names import tree_flatten, tree_leaves, tree_unflatten
 from .backend import Backend
 from .config import GraphOptimizationConfig
 from .report import Report
@@ -166,6 +166,7 @@ class OptimizedModule(_Optimized, torch.nn.Module):
                  dynamic_dims: Mapping[str, int | DynamicDims | None] | None = None,
                  pad_values: Mapping[str, float | int] | None = None):
         super().__init__()
+        _watch_module_assignments()
         step = _Step(model, config, dynamic_dims, pad_values)
         self.model = model
         # A plain attribute, not a submodule: torch.compile's wrapper holds `model`
@@ -292,7 +293,12 @@ def _refuse_ignored_assignment(module: torch.nn.Module, name: str, submodule: An
                         f"Optimize the method instead: m.{name} = graphopt.optimize(m.{name}, config)")
 
 
-torch.nn.modules.module.register_module_module_registration_hook(_refuse_ignored_assignment)
+
+@functools.cache
+def _watch_module_assignments() -> None:
+    """From the first OptimizedModule on (not at import), every module assignment in the
+    process passes `_refuse_ignored_assignment`: torch has no per-module hook for it."""
+    torch.nn.modules.module.register_module_module_registration_hook(_refuse_ignored_assignment)
 
 
 def _check_names(what: str, given: dict[str, Any], params: list[str]) -> dict[str, Any]:

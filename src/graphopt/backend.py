@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -23,9 +24,11 @@ import torch
 import torch.fx
 
 from . import _compat, cache, modes
-from .backend_cache import BackendCache, device_type
+from ._compat import autotune
 from ._compat import cache as compat_cache
 from ._compat import traces as compat_traces
+from ._compat.names import RECOMPILE_LIMIT
+from .backend_cache import BackendCache, device_type
 from .config import WEIGHT_COPYING_INDUCTOR_OPTIONS, GraphOptimizationConfig
 from .lowering import lower_to_bindings
 from .passes.manager import PassManager, check_pass_names
@@ -53,13 +56,19 @@ class NotStorable(Exception):
     """Why a stored trace cannot be used: its graph is gone from the compile cache."""
 
 
-def inductor_options(device_type: str, cached: bool) -> dict[str, Any]:
+def inductor_options(device_type: str, cached: bool, frozen: bool = False) -> dict[str, Any]:
     """The Inductor settings graphopt uses at level 2 (measured: docs/configuration.md)."""
     options: dict[str, Any] = {
         # Without graphopt's cache a hit in Inductor's would skip the passes and leave
         # the report without them; with it, graphopt's cache holds their records.
         "fx_graph_cache": cached,
     }
+    if device_type == "cpu" and frozen:
+        # Each GEMM on a constant weight timed with Inductor's C++ template (the weight
+        # packed for its micro-kernel) and with ATen's, the faster kept, measured in
+        # this process on this machine (not from Inductor's cache) so the report can
+        # say what was chosen (GraphRecord.gemms). docs/configuration.md has the figures.
+        options.update(max_autotune_gemm=True, max_autotune_gemm_backends="CPP,ATEN", autotune_local_cache=False)
     if device_type == "cpu" and not _compat.distributed_initialized():
         # A C++ wrapper instead of a Python one: the decode step of the tiny decoder
         # runs ~2x faster (100 vs 196 us at batch 1) for ~2x the compile time. It
@@ -96,6 +105,8 @@ class Backend:
         self._levels: dict[str, int] = {}
         self._configure(mode)
         _compat.allow_recompiles(RECOMPILE_BUDGET)
+        # Given back when the Backend goes: no lasting change to the process's Dynamo limit.
+        weakref.finalize(self, _compat.allow_recompiles, -RECOMPILE_BUDGET)
         _compat.on_recompile_limit(self._gave_up)
 
     def _configure(self, mode: str | None) -> None:
@@ -288,16 +299,19 @@ class Backend:
         def post_grad_pass(graph: torch.fx.Graph) -> None:
             optimized.append((graph.owning_module, self._optimize(graph.owning_module, record, real_inputs, kinds)))
 
-        options = {**inductor_options(device_type(real_inputs), cached=key is not None),
+        options = {**inductor_options(device_type(real_inputs), cached=key is not None,
+                                      frozen=self.config.freeze_parameters),
                    **self.config.inductor_compile_config}
         # With the cache on, AOTAutograd's entry holds the compiled code itself, so a
         # stored trace can carry it (traces.py).
-        with compat_traces.bundled_inductor_cache() if key is not None else contextlib.nullcontext():
+        with compat_traces.bundled_inductor_cache() if key is not None else contextlib.nullcontext(), \
+                autotune.gemm_choices() as gemms:
             compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, self.cache.pass_uuid(), options)
             if key is not None and not optimized and stored is None:
                 # Inductor's cache had the code but graphopt's records are gone: compile once more for them.
                 options["force_disable_caches"] = True
                 compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, self.cache.pass_uuid(), options)
+        record.gemms = gemms
         if optimized:
             self.cache.store(key, {**optimized[-1][1], "direct": None}, optimized[-1][0])
         elif stored is not None:
@@ -385,7 +399,7 @@ class Backend:
     def _gave_up(self, message: str) -> None:
         if self._report.graphs or self._report.pieces:
             self._report.fallback(f"Dynamo gave up compiling and runs a frame eagerly: {message}; "
-                                  "raise torch._dynamo.config.recompile_limit")
+                                  f"raise {RECOMPILE_LIMIT}")
 
 
 def _rebuilt(config: GraphOptimizationConfig, dynamic_dims: Any, pad_values: Any, mode: str | None) -> Backend:

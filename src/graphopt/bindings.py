@@ -14,13 +14,14 @@ import contextlib
 from typing import Any, Callable, ContextManager
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._compat.names import OpOverload, TorchDispatchMode
 
 # (overload, argument structures, namespaces) -> binding or None
 _decisions: dict[tuple, Callable | None] = {}
 
 
-def exact_binding(op: torch._ops.OpOverload, args: tuple, call_kwargs: dict, op_kwargs: dict,
+def exact_binding(op: OpOverload, args: tuple, call_kwargs: dict, op_kwargs: dict,
                   namespaces: tuple, mode: ContextManager | None = None) -> Callable | None:
     """A binding `b` of `op` from `namespaces` such that `b(*args, **call_kwargs)`
     dispatches exactly `op(*args, **op_kwargs)`, or None. `args` are fake or meta

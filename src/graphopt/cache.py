@@ -33,6 +33,7 @@ import torch.fx
 
 from . import _compat
 from ._compat import cache as compat
+from ._compat.names import OpOverload
 from .kernels import IMPLEMENTATIONS
 from .report import GraphRecord, Report
 
@@ -144,7 +145,7 @@ def _to_ref(value: Any) -> Any:
 
 
 def _target_ref(target: Any) -> tuple[str, str]:
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         ref = ("op", target.name())
     elif target in _implemented_ops():
         ref = ("implementation", _implemented_ops()[target].name())

@@ -21,6 +21,8 @@ from typing import Any, Final
 
 import torch
 
+from ._compat.names import INDUCTOR_OPTIONS
+
 # Tolerances for comparing an optimized graph's outputs with eager's, by dtype: (atol, rtol).
 TOLERANCES: Final[dict[torch.dtype, tuple[float, float]]] = {
     torch.float32: (1e-4, 1e-4),
@@ -339,7 +341,7 @@ def _inductor_compile_config(value: object, freeze_parameters: bool) -> dict[str
     for key, option in value.items():
         if not isinstance(key, str) or key not in known:
             close = difflib.get_close_matches(key, known, n=1) if isinstance(key, str) else []
-            hint = f"; did you mean {close[0]!r}?" if close else " (torch._inductor.list_options() lists them)"
+            hint = f"; did you mean {close[0]!r}?" if close else f" ({INDUCTOR_OPTIONS} lists them)"
             raise ValueError(f"inductor_compile_config: {key!r} is not an Inductor option{hint}")
         if key in RESERVED_INDUCTOR_OPTIONS:
             raise ValueError(f"inductor_compile_config: {key!r} is set by graphopt itself (its runtime owns "

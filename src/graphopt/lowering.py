@@ -15,21 +15,22 @@ from typing import Any, Callable
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_map
 
 from . import _compat
+from ._compat import names
+from ._compat.names import tree_map
 from .bindings import exact_binding
 from .kernels import IMPLEMENTATIONS
 
-_BINDING_NAMESPACES = (torch._C._VariableFunctions, torch._C._nn, torch._C.TensorBase)
+_BINDING_NAMESPACES = (names.FUNCTIONS, names.NN, names.TENSOR)
 
 # Overloads the dispatch check cannot confirm, and the binding that computes the
 # same values: `_unsafe_view` is `view` minus the aliasing record autograd keeps;
 # `linear` is CompositeImplicit, so it decomposes before any dispatch mode sees it.
 _EQUIVALENT = {
-    torch.ops.aten._unsafe_view.default: torch._C.TensorBase.view,
-    torch.ops.aten.linear.default: torch._C._nn.linear,
-    torch.ops.aten.matmul.default: torch._C._VariableFunctions.matmul,
+    torch.ops.aten._unsafe_view.default: names.TENSOR.view,
+    torch.ops.aten.linear.default: names.NN.linear,
+    torch.ops.aten.matmul.default: names.FUNCTIONS.matmul,
 }
 
 def lower_to_bindings(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -42,7 +43,7 @@ def lower_to_bindings(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         for node in graph.nodes:
             if node.target is torch.ops.aten.slice.Tensor:
                 _slice_as_narrow(node)
-            elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            elif node.op == "call_function" and isinstance(node.target, names.OpOverload):
                 binding = _binding_for(node, fake_mode)
                 if binding is not None:
                     node.target = binding
@@ -61,7 +62,7 @@ def _slice_as_narrow(node: torch.fx.Node) -> None:
         return
     start = 0 if start is None else min(max(start + size if start < 0 else start, 0), size)
     end = size if end is None else min(max(end + size if end < 0 else end, 0), size)
-    node.target = torch._C._VariableFunctions.narrow
+    node.target = names.FUNCTIONS.narrow
     node.args = (x, dim, start, max(end - start, 0))
 
 
@@ -88,7 +89,7 @@ def _binding_for(node: torch.fx.Node, fake_mode: Any) -> Callable | None:
     return exact_binding(op, args, kwargs, kwargs, _BINDING_NAMESPACES, fake_mode)
 
 
-def _clone_written(op: torch._ops.OpOverload, args: tuple) -> tuple:
+def _clone_written(op: names.OpOverload, args: tuple) -> tuple:
     """In-place ops mutate their fake input's metadata; probe on a copy."""
     if op._schema.is_mutable and args and isinstance(args[0], torch.Tensor):
         return (torch.empty_like(args[0]), *args[1:])

@@ -39,11 +39,13 @@ class GraphRecord:
     fused_ops: dict[str, int] = field(default_factory=dict)  # fused op -> how many the final graph has
     cache_hit: bool = False   # loaded from the compile cache: the records are those of the stored compile
     traced: bool = True       # Dynamo traced it in this process (False: a stored trace, traces.py, ran it)
+    gemms: dict[str, str] = field(default_factory=dict)  # level 2: each autotuned GEMM -> the kernel chosen, timed
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "nodes_before": self.nodes_before,
                 "nodes_after": self.nodes_after, "compile_seconds": round(self.compile_seconds, 3),
-                "fused_ops": dict(self.fused_ops), "cache_hit": self.cache_hit, "traced": self.traced}
+                "fused_ops": dict(self.fused_ops), "cache_hit": self.cache_hit, "traced": self.traced,
+                "gemms": dict(self.gemms)}
 
 
 @dataclass
@@ -188,6 +190,7 @@ class Report:
                          f"{how} {g.compile_seconds:.2f}s")
             if g.fused_ops:
                 lines.append("    fused ops: " + ", ".join(f"{k}={v}" for k, v in g.fused_ops.items()))
+            lines.extend(f"    GEMM {gemm}: {choice}" for gemm, choice in g.gemms.items())
             for p in (p for p in self.passes if p.graph == g.index):
                 counts = ", ".join(f"{k}={v}" for k, v in p.counts.items()) or "-"
                 mark = "changed" if p.changed else "no change"

@@ -12,7 +12,8 @@ import graphopt
 from graphopt import _compat
 from graphopt.config import GraphOptimizationConfig
 from graphopt.passes.manager import PassManager
-from graphopt.passes.memory_plan import ALIGN, GraphPlan, aligned, live_bytes, plan_graph, plan_offsets
+from graphopt.arena import ALIGN, aligned, live_bytes, plan_offsets
+from graphopt.passes.memory_plan import GraphPlan, plan_graph
 from graphopt.passes.reinplace import reinplace_intermediates
 from graphopt.report import Report
 from graphopt.runtime.host_graph import HostGraph

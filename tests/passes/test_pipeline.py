@@ -69,9 +69,9 @@ def test_both_levels_run_the_cleanup_passes():
 
 
 class Projection(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, outputs: int = 5, inputs: int = 4):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(5, 4))
+        self.weight = torch.nn.Parameter(torch.randn(outputs, inputs))
 
     def forward(self, x):
         return x @ (self.weight * 0.5).t()
@@ -89,7 +89,8 @@ def test_level_2_folds_and_refreshes_inside_inductor():
         assert counts["fold_constants"] == {"folded": 1}
 
         model.weight.mul_(-2)
-        assert sum(refresh_folded_constants(gm) for gm in opt.graphs()) == 1
+        # The folded weight is a constant Inductor's GEMM template packs: refresh() compiles again.
+        assert opt.refresh() == 1 and opt.report().repacks == 1
         torch.testing.assert_close(opt(x), model(x))
 
 
@@ -124,3 +125,31 @@ def test_level_2_takes_inductor_options_and_refresh_repacks_packed_weights(monke
     report = opt.report()
     assert report.repacks == compiled and len(opt.graphs()) == len(graphs) and opt.graphs() != graphs
     assert len(report.passes) == len({(p.graph, p.name) for p in report.passes})  # the first compile's records
+
+
+@pytest.mark.skipif(not _compat.inductor_available(), reason="Inductor needs a C++ compiler")
+@pytest.mark.parametrize("asked", [{}, {"max_autotune_gemm": False}], ids=["default", "switched-off"])
+def test_level_2_with_frozen_weights_times_each_gemm_and_keeps_the_faster(monkeypatch, asked):
+    """On the CPU with freeze_parameters=True, level 2 lets Inductor time each GEMM with
+    its C++ template (packed weights) and with ATen's, and keep the faster; the report
+    lists each choice with its times. The user's inductor_compile_config can switch it off."""
+    from graphopt import backend
+
+    seen = []
+    compile_ = _compat.inductor_compile
+    monkeypatch.setattr(backend._compat, "inductor_compile",
+                        lambda gm, inputs, post, uuid, options: seen.append(options) or
+                        compile_(gm, inputs, post, uuid, options))
+    model = Projection(96, 64).eval()  # a weight folded into a constant, which the C++ template packs
+    opt = optimized(model, level=2, freeze_parameters=True, inductor_compile_config=asked, cache_dir=None)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+    tuned = not asked
+    assert seen and all(o.get("max_autotune_gemm", False) == tuned for o in seen)
+    gemms = {k: v for g in opt.report().graphs for k, v in g.gemms.items()}
+    if tuned:
+        assert gemms and all(v.split(" ")[0] in ("ATen", "C++") and " us" in v for v in gemms.values()), gemms
+        assert "\n    GEMM mm " in str(opt.report()), str(opt.report())
+    else:
+        assert gemms == {}

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
 
+from .._compat.names import tree_leaves, tree_map
 from .workloads import Case, Step
 
 EAGER = "eager"

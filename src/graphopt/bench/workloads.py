@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
+from .._compat.names import tree_map
 from ..models import Decoder, DecoderConfig, ResNet, ResNetConfig
 
 Step = Callable[..., Any]

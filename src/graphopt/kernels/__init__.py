@@ -13,8 +13,10 @@ from typing import Callable
 
 import torch
 
+from .._compat.names import OpOverload
+
 # graphopt::<name>.default -> the Python function implementing it.
-IMPLEMENTATIONS: dict[torch._ops.OpOverload, Callable] = {}
+IMPLEMENTATIONS: dict[OpOverload, Callable] = {}
 
 
 def define(name: str, fake: Callable) -> Callable[[Callable], Callable]:

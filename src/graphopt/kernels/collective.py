@@ -22,6 +22,7 @@ import torch
 import torch.distributed  # noqa: F401 - registers the _c10d_functional ops
 
 from . import define
+from .._compat.names import OpOverload
 from .norm import _add_rms_norm, _add_rms_norm_fake
 
 # Namespaces whose every op communicates (or waits for communication).
@@ -31,7 +32,7 @@ COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d", "_c10d_functional
 def is_collective_op(op: object) -> bool:
     """True for an op that talks to other ranks or waits for them (including
     graphopt's own fused all-reduce)."""
-    return isinstance(op, torch._ops.OpOverload) and (
+    return isinstance(op, OpOverload) and (
         op.namespace in COLLECTIVE_NAMESPACES or op in FUSED_COLLECTIVES)
 
 

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
+from .._compat.names import functional_collectives
 from .decoder import MLP, Attention, Decoder, DecoderConfig, DecoderLayer, RMSNorm, RotaryEmbedding
+
+funcol = functional_collectives()
 
 
 class RowParallelLinear(nn.Linear):

@@ -16,6 +16,7 @@ import torch
 import torch.fx
 
 from .._compat import known_true, same_sizes
+from .._compat.names import OpOverload
 from ..kernels.collective import is_collective_op
 
 
@@ -94,13 +95,13 @@ def _returns_alias(node: torch.fx.Node) -> bool:
         return isinstance(node.args[0], torch.fx.Node) and _returns_alias(node.args[0])
     if target is aten._unsafe_view.default:  # a view whose schema does not say so
         return True
-    return (isinstance(target, torch._ops.OpOverload) and bool(target._schema.returns)
+    return (isinstance(target, OpOverload) and bool(target._schema.returns)
             and target._schema.returns[0].alias_info is not None)
 
 
 def is_view(node: torch.fx.Node) -> bool:
     """A view op (no write): its result aliases its first argument and costs nothing."""
-    return _returns_alias(node) and not (isinstance(node.target, torch._ops.OpOverload)
+    return _returns_alias(node) and not (isinstance(node.target, OpOverload)
                                          and node.target._schema.is_mutable)
 
 
@@ -119,7 +120,7 @@ def written_roots(graph: torch.fx.Graph) -> set[torch.fx.Node]:
         target = node.target
         if node.op != "call_function":
             continue
-        if isinstance(target, torch._ops.OpOverload):
+        if isinstance(target, OpOverload):
             if not target._schema.is_mutable:
                 continue
             for i, arg in enumerate(target._schema.arguments):

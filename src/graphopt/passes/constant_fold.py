@@ -14,9 +14,9 @@ import operator
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_leaves
 
 from .. import _compat
+from .._compat.names import OpOverload, tree_leaves
 from .base import GraphFacts, PassResult, has_effect, is_view
 
 # Set by the backend with freeze_parameters=True: {placeholder name: real tensor}.
@@ -156,7 +156,7 @@ def _foldable_op(node: torch.fx.Node) -> bool:
         return False
     if target is operator.getitem:
         return True
-    return isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable
+    return isinstance(target, OpOverload) and not target._schema.is_mutable
 
 
 def _numel_bytes(node: torch.fx.Node) -> int | None:

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_leaves
 
 from .. import _compat
+from .._compat.names import OpOverload, tree_leaves
 from .base import STRIDE_READERS, GraphFacts, PassResult, alias_root, has_effect, same_layout, written_roots
 from .strides import fake_run, same_sizes_and_dtypes, same_strides
 
@@ -206,7 +206,7 @@ def _plan(graph: torch.fx.Graph, seeds: list[torch.fx.Node], written: set, fake_
 def _fixed(node: torch.fx.Node, written: set) -> bool:
     """Nodes whose layout must not change: writes, effects, values written later."""
     target = node.target
-    mutable = isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
+    mutable = isinstance(target, OpOverload) and target._schema.is_mutable
     return mutable or has_effect(node) or alias_root(node) in written
 
 
@@ -215,7 +215,7 @@ def _reads_values_only(node: torch.fx.Node) -> bool:
     target = node.target
     if target is operator.getitem:
         return True
-    return (isinstance(target, torch._ops.OpOverload) and target.namespace in ("aten", "prims")
+    return (isinstance(target, OpOverload) and target.namespace in ("aten", "prims")
             and target not in STRIDE_READERS)
 
 
@@ -223,7 +223,7 @@ def _joins_region(node: torch.fx.Node, new: Any, old: Any) -> bool:
     """A region op whose result, computed from channels-last inputs, is channels-last
     where it was contiguous: converting it back costs the same later as now."""
     target = node.target
-    region_op = target in _REGION_OPS or (isinstance(target, torch._ops.OpOverload)
+    region_op = target in _REGION_OPS or (isinstance(target, OpOverload)
                                           and torch.Tag.pointwise in target.tags)
     if not region_op or not _reads_values_only(node):
         return False

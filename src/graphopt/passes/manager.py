@@ -28,9 +28,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_leaves
 
 from .. import _compat
+from .._compat.names import tree_leaves
 from ..config import GraphOptimizationConfig, tolerance
 from ..report import GraphRecord, PassRecord, Report
 from .base import PassResult

@@ -3,7 +3,7 @@
 Run as FX code, every intermediate of a graph is its own allocation. Most live for
 a few ops, so buffers whose lifetimes do not overlap can share memory: planned as
 one arena, a decode step needs a fraction of the sum of its buffers. The host graph
-(`runtime/host_graph.py`) places the allocations it records with `plan_offsets`;
+(`runtime/host_graph.py`) places the allocations it records with `arena.plan_offsets`;
 the `plan_memory` pass plans the final ATen graph the same way and reports the
 bytes (`report().memory`), without changing the graph.
 
@@ -17,91 +17,20 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_leaves
 
 from .. import _compat
+from .._compat.names import Argument, FunctionSchema, OpOverload, tree_leaves
+from ..arena import Plan, aligned, live_bytes, plan_offsets
 from ..report import MemoryRecord
 from .base import PassResult
 
-# The CPU allocator's alignment (c10's gAlignment), and a cache line on the CPUs we serve.
-ALIGN = 64
 _META_KEY = "graphopt_memory"
-# Beyond this many buffers only the classic greedy order runs: each order costs O(n^2).
-_MANY = 1500
 
 # A buffer: the node whose result allocated it, and which of its tensor results.
 Storage = tuple[torch.fx.Node, int]
-
-
-@dataclass(frozen=True)
-class Plan:
-    offsets: tuple[int, ...]  # in the order the buffers were given; multiples of `align`
-    nbytes: int               # the arena
-
-
-def aligned(size: int, align: int = ALIGN) -> int:
-    return -(-size // align) * align
-
-
-def plan_offsets(buffers: Sequence[tuple[int, int, int]], align: int = ALIGN) -> Plan:
-    """Offsets in one arena for buffers given as (first, last, size in bytes), where
-    two buffers may share bytes only when their [first, last] ranges do not meet.
-
-    Greedy by size: the largest buffer first, each into the lowest gap no buffer
-    alive at the same time occupies. Two variants often do better on graphs with many
-    small buffers (the best-fitting gap instead of the lowest; longest-lived first),
-    so all three run and the smallest arena wins (classic on ties)."""
-    spans = [(first, last) for first, last, _ in buffers]
-    sizes = [aligned(size, align) for _, _, size in buffers]
-    indices = range(len(buffers))
-    by_size = sorted(indices, key=lambda i: (-sizes[i], spans[i][0]))
-    candidates = [(by_size, False)]
-    if len(buffers) <= _MANY:
-        by_age = sorted(indices, key=lambda i: (spans[i][0] - spans[i][1], -sizes[i], spans[i][0]))
-        candidates += [(by_size, True), (by_age, False)]
-    best: Plan | None = None
-    for order, best_fit in candidates:
-        plan = _greedy(order, spans, sizes, best_fit)
-        if best is None or plan.nbytes < best.nbytes:
-            best = plan
-    return best
-
-
-def _greedy(order: Sequence[int], spans: list[tuple[int, int]], sizes: list[int], best_fit: bool) -> Plan:
-    offsets = [0] * len(sizes)
-    placed: list[int] = []
-    for i in order:
-        first, last = spans[i]
-        if sizes[i] == 0:
-            continue
-        busy = sorted((offsets[j], offsets[j] + sizes[j]) for j in placed
-                      if spans[j][0] <= last and first <= spans[j][1])
-        top, chosen, chosen_gap = 0, None, None
-        for start, stop in busy:
-            gap = start - top
-            if gap >= sizes[i] and (chosen is None or gap < chosen_gap):
-                chosen, chosen_gap = top, gap
-                if not best_fit:
-                    break
-            top = max(top, stop)
-        offsets[i] = top if chosen is None else chosen
-        placed.append(i)
-    return Plan(tuple(offsets), max((o + s for o, s in zip(offsets, sizes)), default=0))
-
-
-def live_bytes(buffers: Sequence[tuple[int, int, int]], align: int = ALIGN) -> int:
-    """The most bytes alive at one moment: no plan can use a smaller arena."""
-    events = sorted([(first, aligned(size, align)) for first, _, size in buffers] +
-                    [(last + 1, -aligned(size, align)) for _, last, size in buffers])
-    alive = peak = 0
-    for _, change in events:  # at equal times frees (negative) sort first
-        alive += change
-        peak = max(peak, alive)
-    return peak
 
 
 # -- liveness of an FX graph ----------------------------------------------------------------
@@ -133,7 +62,7 @@ def _results(node: torch.fx.Node, found: dict[torch.fx.Node, list[Storage]]) -> 
         return [parents[index]] if isinstance(index, int) and -len(parents) <= index < len(parents) else own
     if node.target in _RETURNS_INPUT:  # the same memory, though the schema does not say so
         return [found[node.args[0]][0]] if node.args[0] in found else own
-    if not isinstance(node.target, torch._ops.OpOverload):
+    if not isinstance(node.target, OpOverload):
         return own  # a higher-order op or a Python function: assume new memory
     schema = node.target._schema
     returns = list(schema.returns) * count if len(schema.returns) == 1 else list(schema.returns)
@@ -144,7 +73,7 @@ def _results(node: torch.fx.Node, found: dict[torch.fx.Node, list[Storage]]) -> 
     return results
 
 
-def _aliased_argument(node: torch.fx.Node, schema: torch._C.FunctionSchema, ret: torch._C.Argument):
+def _aliased_argument(node: torch.fx.Node, schema: FunctionSchema, ret: Argument):
     """The input node a result aliases (`Tensor(a) self` -> `Tensor(a)`), or None."""
     if ret.alias_info is None:
         return None

@@ -19,6 +19,7 @@ import torch.fx
 
 from .. import _compat
 from .._compat import known_true, same_shape, same_sizes
+from .._compat.names import OpOverload
 from .base import PassResult, has_effect, is_collective, is_contiguous, is_view
 from .memory_plan import Storage, storages
 
@@ -33,11 +34,11 @@ _SCATTER_OF_VIEW = {
 
 
 @functools.cache
-def inplace_variant(target: object) -> torch._ops.OpOverload | None:
+def inplace_variant(target: object) -> OpOverload | None:
     """aten.add.Tensor -> aten.add_.Tensor, when torch has that overload and it
     mutates its first argument; else torch's own schema-matched choice
     (aten.pow.Tensor_Scalar -> aten.pow_.Scalar)."""
-    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+    if not isinstance(target, OpOverload) or target.namespace != "aten":
         return None
     packet = getattr(aten, target._schema.name.split("::")[1] + "_", None)
     overload = getattr(packet, target._overloadname, None) if packet is not None else None
@@ -251,10 +252,10 @@ def reinplace_intermediates(gm: torch.fx.GraphModule) -> PassResult:
     return PassResult(changed=rewritten > 0, counts={"inplace": rewritten} if rewritten else {})
 
 
-def _inplace_candidate(node: torch.fx.Node) -> torch._ops.OpOverload | None:
+def _inplace_candidate(node: torch.fx.Node) -> OpOverload | None:
     """The in-place overload `node` could become, judging by the op alone."""
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or has_effect(node):
+    if node.op != "call_function" or not isinstance(target, OpOverload) or has_effect(node):
         return None
     schema = target._schema
     if schema.is_mutable or len(schema.returns) != 1 or schema.returns[0].alias_info is not None \
@@ -271,7 +272,7 @@ def _inplace_candidate(node: torch.fx.Node) -> torch._ops.OpOverload | None:
 def _can_write(node: torch.fx.Node, written: Storage, find, where: dict, last_read: dict[Storage, int],
                order: dict[torch.fx.Node, int]) -> bool:
     source, index = written
-    if source.op != "call_function" or not isinstance(source.target, torch._ops.OpOverload):
+    if source.op != "call_function" or not isinstance(source.target, OpOverload):
         return False  # an input, a parameter, a constant, or memory a higher-order op made
     if last_read.get(written, -1) > order[node]:
         return False  # read later, directly or through a view

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_leaves
 
 from .._compat import known_true, same_sizes
+from .._compat.names import OpOverload, tree_leaves
 from .base import STRIDE_READERS
 
 
@@ -28,7 +28,7 @@ def restrided(gm: torch.fx.GraphModule, changed: dict[torch.fx.Node, Any],
         target = node.target
         # A random op is fine (strides change no draw), a side effect is not.
         if node.op != "call_function" or node.is_impure(impure_random=False) or target in STRIDE_READERS \
-                or isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+                or isinstance(target, OpOverload) and target._schema.is_mutable:
             return None
         new = fake_run(node, vals, fake_mode)
         old = node.meta.get("val")

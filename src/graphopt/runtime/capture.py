@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils._pytree import tree_leaves
 
+from .._compat.names import tree_leaves
 from ..config import GraphOptimizationConfig
 from ..report import CaptureRecord, PieceRecord, Report
 from .device_graph import DeviceGraph, graph_pool_handle, warmup_stream

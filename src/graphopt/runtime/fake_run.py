@@ -24,9 +24,9 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _compat
+from .._compat.names import TorchDispatchMode
 from .rows import BatchRows, Mixes
 from .safety import problem_of
 

@@ -18,7 +18,7 @@ together, so the tape and the caller's references see the new memory. A graph
 that reads another graph's outputs from the same arena (the next piece of a split
 graph) is placed after them. Offsets are planned by lifetime (from the op that creates an allocation to the last op that
 touches it; `outputs` live to the end) with the planner the passes use
-(`graphopt.passes.memory_plan.plan_offsets`: greedy by size), 64-byte aligned. Graphs of
+(`graphopt.arena.plan_offsets`: greedy by size), 64-byte aligned. Graphs of
 one pool share one arena sized to the largest need, so replaying one overwrites the
 others' outputs, as in a CUDA graph pool. Outputs keep their captured values.
 
@@ -48,11 +48,10 @@ from typing import Any, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from .. import _compat
-from ..passes.memory_plan import plan_offsets
+from .._compat.names import TorchDispatchMode, tree_leaves
+from ..arena import plan_offsets
 from . import native_tape
 from .safety import CaptureGuard
 from .tape import is_copy_replay, plan_entry
@@ -372,7 +371,7 @@ def _arena_bytes_read(records: list, arena: torch.UntypedStorage) -> int:
 
 def _place(allocations: list[_Allocation], base: int) -> int:
     """Offsets by lifetime and size, planned as the graph passes plan theirs
-    (`memory_plan.plan_offsets`), from `base` on, so nothing this graph reads from
+    (`arena.plan_offsets`), from `base` on, so nothing this graph reads from
     the arena is overwritten while it runs. Returns the arena bytes needed."""
     plan = plan_offsets([(a.first, a.last, a.storage.nbytes()) for a in allocations], _ALIGN)
     for a, offset in zip(allocations, plan.offsets):

@@ -13,8 +13,8 @@ from typing import Any, Callable
 
 import sympy
 import torch
-from torch.utils._pytree import tree_leaves
 
+from .._compat.names import tree_leaves
 from ..kernels.collective import is_collective_op
 from .safety import named_arguments
 

@@ -34,10 +34,10 @@ from typing import Any
 import sympy
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_leaves
 
 from .. import _compat
 from . import row_indexing, row_sorts, row_views  # noqa: F401 - register their rules
+from .._compat.names import tree_leaves
 from .row_rules import METADATA, NO_DATA, PER_ROW_WRITES, RULES, SIZE_ARGUMENTS, Call, Groups, Mixes, Rows, free, \
     pointwise_rule, positional, rowwise
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._compat.names import TorchDispatchMode
 from ..kernels.collective import is_collective_op
 
 _SYNC = ("copies a value from the device to the host: a replay would reuse the value read at capture, "

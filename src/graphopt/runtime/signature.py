@@ -27,9 +27,9 @@ from typing import Any, Mapping, Sequence
 import sympy
 import torch
 import torch.fx
-from torch.utils._pytree import tree_leaves
 
 from .. import _compat
+from .._compat.names import tree_leaves
 
 
 @dataclass

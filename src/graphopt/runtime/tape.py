@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
 
+from .._compat import names
+from .._compat.names import tree_leaves, tree_map
 from ..bindings import exact_binding
 from ..kernels.collective import is_collective_op
 
@@ -35,8 +36,7 @@ _OPTIONS = frozenset({"dtype", "layout", "device", "pin_memory"})
 _COPIES = frozenset({"to", "_to_copy", "clone", "reshape", "contiguous", "flatten"})
 # Ops that change a tensor object's metadata; their effect persists, replaying them would repeat it.
 _METADATA = frozenset({"set_", "resize_", "resize_as_"})
-_OUT_NAMESPACES = (torch._C._VariableFunctions, torch._C._nn, torch._C._linalg, torch._C._special, torch._C._fft)
-_INPLACE_NAMESPACES = (torch._C.TensorBase, torch._C._VariableFunctions)
+_OUT_NAMESPACES, _INPLACE_NAMESPACES = names.OUT_NAMESPACES, names.INPLACE_NAMESPACES
 
 
 @dataclass

@@ -13,6 +13,8 @@ from typing import Callable
 import torch
 import torch.fx
 
+from ..._compat.names import OpOverload
+
 aten = torch.ops.aten
 
 # Ops a fusion produces, by the name the report shows (graphopt's own ops are
@@ -68,6 +70,6 @@ def fused_op_counts(graph: torch.fx.Graph) -> dict[str, int]:
             counts[node.meta[FUSED_TAG]] += 1
         elif node.target in FUSED_ATEN_OPS:
             counts[FUSED_ATEN_OPS[node.target]] += 1
-        elif isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "graphopt":
+        elif isinstance(node.target, OpOverload) and node.target.namespace == "graphopt":
             counts[node.target._schema.name.split("::")[1]] += 1
     return dict(sorted(counts.items()))

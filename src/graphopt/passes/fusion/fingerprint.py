@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..._compat.names import OpOverload, OpOverloadPacket
+
 
 def fingerprint(value: Any) -> str:
     return _fingerprint(value, {}, 0)
@@ -94,7 +96,7 @@ def _callable_or_object(value: Any, inner: Callable[[Any], str]) -> str:
 
 def _versioned_name(value: Any) -> str | None:
     """A function, class or op of a `_versioned` module, by name: its code is its version's."""
-    if type(value).__module__ == "torch._ops":  # torch.ops.aten.silu(.default): the op's name
+    if isinstance(value, (OpOverload, OpOverloadPacket)):  # torch.ops.aten.silu(.default): the op's name
         return f"op {value}"
     if isinstance(value, types.ModuleType):
         return f"module {value.__name__}" if _versioned(value.__name__) else None

@@ -18,10 +18,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_flatten
 
 from ... import _compat
 from ..._compat import patterns
+from ..._compat.names import tree_flatten
 from ...config import tolerance
 from ..base import PassResult
 from .fingerprint import Unkeyable, fingerprint

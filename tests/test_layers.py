@@ -1,0 +1,110 @@
+"""The package's layers import one way (docs/design.md, "Layers"):
+
+    api -> backend -> passes
+               \\--> runtime
+
+and all of them may use the base (config, report, cache, arena, bindings, kernels,
+models, `_compat/`), which imports no layer above it. The runtime never imports the
+passes, nor the passes the runtime; the api reaches both only through the backend.
+Tools (bench, cli) and the package's `__init__` (the public API) may import anything.
+
+Imports inside functions count too: a deferred import is still a dependency.
+Private torch (`torch._dynamo`, `torch.utils._pytree`, ...) is named only in
+`_compat/`, so a torch upgrade that moves something breaks one folder.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "graphopt"
+
+BASE = "base"
+LAYERS = {  # the first part of a module's dotted name below graphopt -> its layer
+    "config": BASE, "report": BASE, "cache": BASE, "arena": BASE, "bindings": BASE, "kernels": BASE,
+    "models": BASE, "_compat": BASE,
+    "passes": "passes", "runtime": "runtime",
+    "backend": "backend", "backend_cache": "backend", "modes": "backend", "repack": "backend",
+    "lowering": "backend",
+    "api": "api", "traces": "api",
+    "bench": "tools", "cli": "tools", "__main__": "tools", "__init__": "tools",
+}
+MAY_IMPORT = {
+    BASE: {BASE},
+    "passes": {BASE, "passes"},
+    "runtime": {BASE, "runtime"},
+    "backend": {BASE, "passes", "runtime", "backend"},
+    "api": {BASE, "backend", "api"},
+    "tools": set(LAYERS.values()),
+}
+
+
+def modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def dotted(path: Path) -> list[str]:
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    return parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts
+
+
+def imported(path: Path) -> set[tuple[str, int]]:
+    """(first part below graphopt of each graphopt module `path` imports, line)."""
+    here = dotted(path)
+    package = here if path.name == "__init__.py" else here[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            target = package[:len(package) - node.level + 1] + (node.module.split(".") if node.module else [])
+            found |= {(target[0] if target else alias.name, node.lineno) for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("graphopt"):
+            below = node.module.split(".")[1:]
+            found |= {(below[0] if below else alias.name, node.lineno) for alias in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {(alias.name.split(".")[1], node.lineno) for alias in node.names
+                      if alias.name.startswith("graphopt.")}
+    return found
+
+
+def test_every_module_has_a_layer():
+    unknown = {dotted(p)[0] for p in modules()} - set(LAYERS)
+    assert not unknown, f"modules without a layer in {__name__}.LAYERS: {sorted(unknown)}"
+
+
+@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_go_one_way(path: Path):
+    layer = LAYERS[dotted(path)[0]]
+    wrong = sorted(f"line {line}: imports {name} ({LAYERS.get(name, '?')})" for name, line in imported(path)
+                   if LAYERS.get(name) not in MAY_IMPORT[layer])
+    assert not wrong, f"{path.relative_to(PACKAGE)} ({layer}) may import only {sorted(MAY_IMPORT[layer])}: {wrong}"
+
+
+def test_the_check_sees_a_wrong_import(tmp_path, monkeypatch):
+    """The scan reads relative, absolute and deferred imports."""
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", tmp_path)
+    (tmp_path / "runtime").mkdir()
+    module = tmp_path / "runtime" / "x.py"
+    module.write_text("from ..passes.memory_plan import plan\nimport graphopt.api\n"
+                      "def f():\n    from .. import backend\n    from . import capture\n")
+    assert imported(module) == {("passes", 1), ("api", 2), ("backend", 4), ("runtime", 5)}
+
+
+PRIVATE_TORCH = re.compile(r"torch\._[A-Za-z]|^\s*(from|import) torch(\.\w+)*\._\w+")
+
+
+def test_private_torch_only_in_compat():
+    found = [f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}" for path in modules()
+             if "_compat" not in path.relative_to(PACKAGE).parts
+             for number, line in enumerate(path.read_text().splitlines(), 1) if PRIVATE_TORCH.search(line)]
+    assert not found, "private torch outside _compat/ (add a name to _compat/names.py):\n" + "\n".join(found)
+
+
+def test_the_private_torch_check_sees_each_form():
+    lines = ["x = torch._dynamo.config", "from torch.utils._pytree import tree_map",
+             "import torch.distributed._functional_collectives as funcol", "isinstance(t, torch._ops.OpOverload)"]
+    assert all(PRIVATE_TORCH.search(line) for line in lines)
+    assert not any(PRIVATE_TORCH.search(line) for line in ["import torch.fx", "torch.ops.aten._to_copy", "t._base"])
