@@ -32,9 +32,9 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _compat
+from ._compat.names import TorchDispatchMode
 from .config import GraphOptimizationConfig, tolerance
 from .kernels.collective import is_collective_op
 from .report import Report
