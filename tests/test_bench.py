@@ -286,3 +286,46 @@ def test_dtype_bfloat16_runs_the_decoder_in_bfloat16(tmp_path, capsys):
     assert {row["contender"] for row in rows} == {"eager", "graphopt L1 + host graphs"}
     assert all(row["outputs_equal"] for row in rows), rows
     assert decoder(Sizes(quick=True, device="cpu", precision="bfloat16")).model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_op_classes_by_name():
+    from graphopt.bench.profile import op_class
+
+    assert [op_class(n) for n in ("aten::mkldnn_convolution", "mkldnn::_convolution_pointwise", "Conv",
+                                  "aten::addmm", "mkldnn::_linear_pointwise", "FusedMatMul", "Gemm",
+                                  "aten::native_layer_norm", "SkipLayerNormalization",
+                                  "aten::_scaled_dot_product_flash_attention_for_cpu", "Softmax",
+                                  "aten::gelu", "Add")] == [
+        "conv", "conv", "conv", "GEMM", "GEMM", "GEMM", "GEMM", "norm", "norm", "attention", "attention",
+        "elementwise", "elementwise"]
+
+
+def test_a_torch_profile_splits_one_run_by_class():
+    from graphopt.bench.profile import OP_CLASSES, torch_profile
+
+    x, w = torch.randn(64, 64), torch.randn(64, 64)
+    shares = torch_profile(lambda: torch.nn.functional.layer_norm(torch.relu(x @ w), [64]), 3)
+    assert set(shares) == {"wall_s", *OP_CLASSES} and shares["wall_s"] > 0
+    assert shares["GEMM"] > 0 and shares["norm"] > 0 and shares["conv"] == 0
+    assert math.isclose(sum(shares[c] for c in OP_CLASSES), 1.0, rel_tol=1e-6)
+
+
+def test_profile_table_has_a_row_per_contender():
+    shares = {"wall_s": 0.002, "conv": 0.5, "GEMM": 0.2, "norm": 0.0, "attention": 0.0, "elementwise": 0.1,
+              "outside ops": 0.2}
+    table = output.profile_cells({"eager": shares, "ONNX Runtime": shares})
+    assert table.headers[:2] == ["contender", "run"] and len(table.rows) == 2
+    assert table.rows[0][:3] == ["eager", output.duration(2000), "50 %"]
+
+
+def test_profile_flag_writes_each_contenders_classes(tmp_path):
+    pytest.importorskip("onnxruntime")
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(["bench", "--quick", "--workloads", "resnet", "--contenders", "eager,L1,onnxruntime",
+                     "--profile", "--threads", "1", "--markdown", "--no-startup", "--out", str(tmp_path)])
+    assert code == 0
+    profiles = json.loads((tmp_path / "bench.json").read_text())["workloads"]["resnet"]["cases"][0]["profiles"]
+    assert set(profiles) == {"eager", "graphopt L1", "ONNX Runtime"}
+    assert all(p["conv"] > 0 for p in profiles.values())  # every one of them spends time in convolutions
+    assert "resnet, batch 4: where the time goes, by op class" in stdout.getvalue()
