@@ -246,7 +246,7 @@ def _session(engine: str, bound: _Bound, inputs: list) -> Callable[[list], list]
         program = torch.onnx.export(bound, live, dynamo=True, dynamic_shapes=bound.dynamic_shapes())
     model = program.model_proto.SerializeToString()
     threads = torch.get_num_threads()  # the threads torch would use: a fair race
-    return _onnxruntime(model, threads) if engine == "onnxruntime" else _openvino(model, threads)
+    return _onnxruntime(model, threads) if engine == "onnxruntime" else openvino_runner(model, threads)
 
 
 def _onnxruntime(model: bytes, threads: int) -> Callable[[list], list]:
@@ -262,9 +262,11 @@ def _onnxruntime(model: bytes, threads: int) -> Callable[[list], list]:
     return lambda arrays: [torch.from_numpy(o) for o in session.run(None, dict(zip(names, arrays)))]
 
 
-def _openvino(model: bytes, threads: int) -> Callable[[list], list]:
+def openvino_runner(model: bytes, threads: int) -> Callable[[list], list]:
     import openvino
 
+    """An ONNX model compiled by OpenVINO's CPU plugin, in float32, on `threads` threads:
+    numpy arrays in, torch tensors out."""
     core = openvino.Core()
     with tempfile.TemporaryDirectory() as folder:  # OpenVINO reads an ONNX model from a file
         path = os.path.join(folder, "graph.onnx")

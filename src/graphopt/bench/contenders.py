@@ -15,7 +15,7 @@ import torch
 
 from ..api import optimize
 from ..config import EXECUTORS, GraphOptimizationConfig
-from ..executors import quiet_export
+from ..executors import openvino_runner, quiet_export
 from .workloads import Step, Workload
 
 
@@ -29,7 +29,7 @@ class Contender:
 
     key: str
     name: str
-    kind: str                 # eager | torch.compile | graphopt | onnxruntime | openvino
+    kind: str                 # eager | torch.compile | graphopt | onnxruntime | openvino | openvino-onnx
     level: int = 0
     device_graphs: bool = False
     mode: str | None = None   # torch.compile's mode
@@ -67,6 +67,9 @@ def contenders(device: str) -> list[Contender]:
                            "graphopt", 2, device_graphs=cuda, tuned=True))
     found.append(Contender("onnxruntime", "ONNX Runtime", "onnxruntime"))
     found.append(Contender("openvino", "OpenVINO", "openvino"))
+    # OpenVINO's torch.compile backend fails on some torches (2.13: "sources must not be empty");
+    # the same model exported to ONNX and read by OpenVINO's CPU plugin runs on all of them.
+    found.append(Contender("openvino-onnx", "OpenVINO (ONNX)", "openvino-onnx"))
     return found
 
 
@@ -88,6 +91,17 @@ def build(contender: Contender, workload: Workload, device: str) -> Step:
         return workload.bind(lambda target: optimize(target, config, pad_values=workload.pad_values))
     if contender.kind == "openvino":
         return _openvino(workload, device)
+    if contender.kind == "openvino-onnx":
+        if device.startswith("cuda") or workload.onnx_unsupported:
+            raise Unavailable("runs on the CPU here" if device.startswith("cuda")
+                              else f"not exportable: {workload.onnx_unsupported}")
+        try:
+            import onnx  # noqa: F401
+            import onnxscript  # noqa: F401
+            import openvino  # noqa: F401
+        except ImportError as error:
+            raise Unavailable(f"{error.name} is not installed (pip install 'graphopt[bench]')") from None
+        return workload.bind(OpenVinoOnnxStep)
     if device.startswith("cuda"):
         raise Unavailable("ONNX Runtime runs on the CPU here; left out with --device cuda")
     if workload.onnx_unsupported:
@@ -159,6 +173,24 @@ class OnnxStep:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.add_session_config_entry("session.inter_op.allow_spinning", "0")
         return self.ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+class OpenVinoOnnxStep:
+    """The model exported with `torch.onnx.export`, one export per input shape, and
+    compiled by OpenVINO's CPU plugin in float32 on torch's thread count."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.runners: dict[tuple, Callable[[list], list]] = {}
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        key = _key(args)
+        if key not in self.runners:
+            with quiet_export():
+                model = torch.onnx.export(self.model, args, dynamo=True).model_proto.SerializeToString()
+            self.runners[key] = openvino_runner(model, torch.get_num_threads())
+        outputs = self.runners[key]([a.numpy() for a in args])
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
 def _key(args: tuple[torch.Tensor, ...]) -> tuple:
