@@ -35,7 +35,7 @@ class Contender:
     mode: str | None = None   # torch.compile's mode
     tuned: bool = False       # graphopt with frozen weights and Inductor's autotuned GEMMs (TUNED)
     frozen: bool = False      # graphopt with freeze_parameters=True (folded and packed weights)
-    engines: bool = False     # and executors=ENGINES: each stateless graph on the fastest engine (executors.py)
+    engines: bool = False     # and executors= the installed engines: each stateless graph on the fastest
 
     @property
     def competitor(self) -> bool:
