@@ -83,8 +83,8 @@ def _fusions() -> list[str]:
 # At level 2 Inductor re-inplaces input mutations itself and expects a functional graph,
 # and it lowers a decomposed linear better than an `aten.linear` call.
 # fuse_packed_linear is level 1 only: it reads the `linear` that recompose_linear makes,
-# and at level 2 Inductor's own freezing (inductor_compile_config={"freezing": True})
-# packs linear weights for oneDNN itself.
+# and at level 2 with frozen weights Inductor times each GEMM on its C++ template with
+# packed weights against ATen's and keeps the faster (backend.py, #26).
 # convert_layout is level 1 only: Inductor chooses channels-last for convolution graphs
 # itself (GraphLowering.decide_layout_opt, always on CPU with oneDNN), and would have to
 # honour graphopt's explicit clones as copies.
