@@ -41,7 +41,7 @@ from .report import Report
 
 # An engine must beat graphopt's median by this much: a tie is not worth leaving torch for.
 MARGIN = 0.95
-_ROUND_SECONDS, _ROUNDS = 0.02, 5
+_ROUND_SECONDS, _ROUNDS = 0.02, 9
 
 
 def choose(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], runtime: Callable,

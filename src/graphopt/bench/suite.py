@@ -137,7 +137,8 @@ def _profiles(case: Case, steps: dict[str, Step], kinds: dict[str, Contender], r
               options: Options) -> dict[str, dict[str, float]]:
     """Each contender's time by op class (OpenVINO's runs no profiler here sees into)."""
     onnx = {name: step.profiling(case.inputs) for name, step in steps.items() if isinstance(step, OnnxStep)}
-    torch_runs = {name: runs[name] for name in steps if kinds[name].kind != "openvino" and name not in onnx}
+    torch_runs = {name: runs[name] for name in steps if not kinds[name].kind.startswith("openvino")
+                  and name not in onnx}
     return profile_case(torch_runs, onnx, 2 if options.quick else 5)
 
 
