@@ -54,6 +54,10 @@ def test_quick_run_has_a_row_per_contender_with_outputs_equal_to_eager(smoke):
     left_out = {name for name in OPTIONAL
                 if re.search(rf"resnet: {name} left out: \w+ is not installed \(pip install 'graphopt\[bench\]'\)",
                              stderr)}
+    # OpenVINO's torch.compile backend fails on some torches (2.13: "sources must not be
+    # empty for symbol s7"): reported in one line, with the error, instead of a row.
+    if re.search(r"resnet: OpenVINO left out: failed on batch \d+: \w+", stderr):
+        left_out.add("OpenVINO")
     expected = [name for name in SMOKE_CONTENDERS if name not in left_out]
     for name in expected:
         assert name.strip() in {key.strip() for key in rows}, f"no row for {name}"

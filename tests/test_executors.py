@@ -162,3 +162,15 @@ def test_bad_executors_are_named(value, error, message):
 def test_executors_need_frozen_weights():
     with pytest.raises(ValueError, match="it needs freeze_parameters=True"):
         graphopt.GraphOptimizationConfig(executors=["onnxruntime"])
+
+
+def test_openvino_runs_a_graph_with_eager_outputs(engine_wins):
+    needs_onnxruntime()  # the exporter's packages
+    pytest.importorskip("openvino")
+    model, inputs = cnn()
+    step = optimized(copy.deepcopy(model), engines=("openvino",), use_cudagraph=False)
+    with torch.inference_mode():
+        for batch in (2, 1, 3):
+            args = inputs(batch)
+            assert_close_tree(step(*args), model(*args), f"batch {batch}")
+    assert {e["executor"] for e in step.report().executors} == {"openvino"}
