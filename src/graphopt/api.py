@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from . import _compat
+from . import _compat, recompiles
 from .backend import Backend
 from .config import GraphOptimizationConfig
 from .report import Report
@@ -74,7 +74,13 @@ class _Step:
             # makes the graphs a trace would (a dynamic batch in every graph), so the
             # compile cache serves both ways of running the step.
             self._mark_dynamic(args, kwargs)
-        return self.fn(*args, **kwargs)
+        try:
+            return self.fn(*args, **kwargs)
+        except Exception as error:
+            refused = recompiles.raised(error)  # Dynamo wraps what a backend raises: give the user ours
+            if refused is None:
+                raise
+            raise refused from None
 
     def _mark_dynamic(self, args: tuple, kwargs: dict) -> None:
         for leaf, dim in zip(tree_leaves((args, kwargs)), self.leaf_dims(args, kwargs)):
@@ -113,8 +119,13 @@ class _Step:
             args, kwargs = self.last_call
         leaves, spec = tree_flatten((args, kwargs))
         dims = self.leaf_dims(args, kwargs)
-        sizes = sorted(self.config.cudagraph_capture_sizes, reverse=True)
-        with _capture_progress(len(sizes)) as advance:
+        sizes = self.config.cudagraph_capture_sizes
+        if self.config.auto_capture_sizes:  # the sizes planned from the traffic the compile cache kept
+            with self.backend.capture_calls():
+                self(*args, **kwargs)
+            sizes = self.backend.report().capture_sizes
+        sizes = sorted(sizes, reverse=True)
+        with _capture_progress(len(sizes)) as advance, self.backend.capture_calls():
             for size in sizes:
                 advance(size)
                 sized = [_resized(leaf, dim, size) if dim is not None else leaf for leaf, dim in zip(leaves, dims)]
