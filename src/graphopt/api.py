@@ -57,7 +57,9 @@ class _Step:
         self.compiles = config.graph_opt_level > 0 or config.use_cudagraph
         self.fn = torch.compile(fn, backend=self.backend) if self.compiles else fn
         self.traces = None
-        if config.graph_opt_level > 0 and config.cache_traces and self.backend.cache.bypass() is None:
+        # on_recompile "warn" / "error" need Dynamo's guards to say what failed: no stored traces then.
+        if config.graph_opt_level > 0 and config.cache_traces and self.backend.cache.bypass() is None \
+                and config.on_recompile == "recompile":
             identity = json.dumps([config.to_json(), self.dynamic_dims, self.pad_values], sort_keys=True)
             self.traces = StoredTraces(fn, self.backend, identity, self._mark_dynamic)
         self.last_call: tuple[tuple, dict] | None = None

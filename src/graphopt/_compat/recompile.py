@@ -28,6 +28,8 @@ def recompile_reasons() -> list[str]:
     except Exception:  # noqa: BLE001 - a torch without them: the caller says the reason is unknown
         return []
     start, _seen[code] = _seen.get(code, 0), len(failures)
+    if start > len(failures):  # torch._dynamo.reset() cleared them
+        start = 0
     return [re.sub(r"^\s*\[?\d+/\d+\]?:\s*", "", str(r)).strip() for r in failures[start:] if r]
 
 
