@@ -5,7 +5,9 @@ The trace (seeded) is a stream of decode steps whose batch is the number of
 running sequences: quiet periods where it wanders over a handful of small sizes
 the default list pads (3, 5, 6, 11, 13, 20), and rare bursts to large sizes
 (150..200). Every variant decodes the same trace, captures included (each captures on
-first use, as a server does), and is timed over the whole trace.
+first use, as a server does), and is timed over the whole trace. One-time costs
+(loading the host tape's extension, Inductor's caches) are paid by an untimed run
+first, and the variants run `--rounds` times in turn; the best round counts.
 
     python benchmarks/serving_trace.py --threads 1
     python benchmarks/serving_trace.py --device cuda --config bench --steps 4000
@@ -63,6 +65,7 @@ def main() -> None:
     parser.add_argument("--level", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -71,17 +74,23 @@ def main() -> None:
     batches = trace(args.steps, args.seed)
     base = dict(graph_opt_level=args.level, max_num_seqs=256, cache_dir=None)
 
-    rows = []
+    auto = {**base, "cudagraph_capture_sizes": "auto"}
     with torch.inference_mode():
-        default = _variant(model, base, batches, args.device)
-        rows.append(("default list", *default))
-        rows.append(('"auto"', *_variant(model, {**base, "cudagraph_capture_sizes": "auto"}, batches, args.device)))
-        budget = default[1].pool_bytes // 2
-        rows.append((f'"auto", budget {budget / 2**20:.2f} MiB',
-                     *_variant(model, {**base, "cudagraph_capture_sizes": "auto", "graph_memory_budget": budget},
-                               batches, args.device)))
-        rows.append((f"default list, budget {budget / 2**20:.2f} MiB",
-                     *_variant(model, {**base, "graph_memory_budget": budget}, batches, args.device)))
+        _variant(model, auto, batches[:300], args.device)  # one-time costs, untimed
+        best: dict[str, tuple[float, graphopt.Report]] = {}
+        for _ in range(args.rounds):
+            default = _variant(model, base, batches, args.device)
+            budget = default[1].pool_bytes // 2
+            variants = {"default list": default,
+                        '"auto"': _variant(model, auto, batches, args.device),
+                        f'"auto", budget {budget / 2**20:.2f} MiB':
+                            _variant(model, {**auto, "graph_memory_budget": budget}, batches, args.device),
+                        f"default list, budget {budget / 2**20:.2f} MiB":
+                            _variant(model, {**base, "graph_memory_budget": budget}, batches, args.device)}
+            for name, result in variants.items():
+                if name not in best or result[0] < best[name][0]:
+                    best[name] = result
+    rows = [(name, *result) for name, result in best.items()]
     _print(rows, batches, args)
 
 
@@ -109,7 +118,7 @@ def _print(rows: list, batches: list[int], args: argparse.Namespace) -> None:
                       str(len(report.captures)), f"{report.capture_seconds:.2f}",
                       f"{report.pool_bytes / 2**20:.2f}", f"{_max_pool(report) / 2**20:.2f}",
                       f"{report.steps_replayed / max(report.steps, 1):.1%}", str(len(report.budget_refusals)))
-    console = Console()
+    console = Console(width=180)
     console.print(table)
     for name, _, report in rows[1:2]:
         console.print(f"{name}: sizes {report.plans[0].sizes if report.plans else '-'}; last plan's reasons:")

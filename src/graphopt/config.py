@@ -290,8 +290,6 @@ def _op_names(key: str, value: object) -> list[str]:
 def _capture_sizes(value: object) -> list[int]:
     accepted = ('cudagraph_capture_sizes must be a non-empty list of ints >= 1, "auto" (chosen from '
                 'traffic) or null for the defaults')
-    if isinstance(value, str):
-        raise ValueError(f"{accepted}, got {value!r}")
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"{accepted}, got {_describe(value)}")
     if not value:

@@ -200,8 +200,9 @@ class TrafficStore:
 
 class Planner:
     """The capture plan of one GraphRunner: its traffic, its current sizes, and
-    when to plan again (every `capture_replan_interval` calls; the runner calls
-    `observe` before it dispatches, never while a graph replays)."""
+    when to plan again (every `capture_replan_interval` calls, a quarter of that
+    while no size is planned; the runner calls `observe` before it dispatches,
+    never while a graph replays)."""
 
     def __init__(self, config: GraphOptimizationConfig, record: PlanRecord, store: TrafficStore, padding: bool,
                  pool_bytes_at: Callable[[int], int]):
@@ -224,7 +225,9 @@ class Planner:
         """Count a call; at a re-plan, the sizes the new plan releases (else None)."""
         self.traffic.observe(batch)
         self.calls += 1
-        if self.calls % self.config.capture_replan_interval:
+        interval = self.config.capture_replan_interval
+        # Before anything is planned every call runs without a graph: plan four times as often.
+        if self.calls % (interval if self.plan.sizes else max(interval // 4, 1)):
             return None
         self.traffic.fold()
         self.store.store(self.traffic.weights)
