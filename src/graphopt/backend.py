@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx
 
-from . import _compat, cache, modes
+from . import _compat, cache, modes, recompiles
 from ._compat import autotune
 from ._compat import cache as compat_cache
 from ._compat import traces as compat_traces
@@ -113,7 +113,8 @@ class Backend:
         self.mode = mode
         check_pass_names(self.config.disabled_passes)
         self._report = Report(self.config.graph_opt_level)
-        self._report.capture_sizes = list(self.config.cudagraph_capture_sizes)
+        # With "auto", the sizes the runners' plans choose (runtime/capture_plan.py).
+        self._report.capture_sizes = [] if self.config.auto_capture_sizes else list(self.config.cudagraph_capture_sizes)
         self._report.notes += kept
         self.cache = BackendCache(self.config, self._report)
         if self.config.graph_opt_level == 2 and not torch.cuda.is_available():
@@ -130,6 +131,12 @@ class Backend:
         for repackable in self.repackables:
             repackable.repack()
         return sum(refresh_folded_constants(gm) for gm in self.graph_modules)
+
+    def capture_calls(self) -> contextlib.AbstractContextManager:
+        """Calls made to capture (capture_all()): not traffic, so not counted nor planned on."""
+        from .runtime.capture_plan import not_traffic
+
+        return not_traffic()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
                  options: Mapping[str, Any] | None = None) -> Callable:
@@ -159,6 +166,7 @@ class Backend:
         self.compiled_dynamic |= any(isinstance(x, torch.SymInt) for x in example_inputs)
         if _compat.is_recompile():
             self._report.recompiles += 1
+            recompiles.on_recompile(self.config.on_recompile, self._report)
         device = device_type(example_inputs)
         level = self._level(device)
         mode = self._cudagraph_mode(level, device)
@@ -193,7 +201,7 @@ class Backend:
         if not unsafe:
             if isinstance(spec, GraphSpec):
                 spec.signature = signature
-            return self._runner(self._compile(gm, example_inputs, level, key), signature), spec
+            return self._runner(self._compile(gm, example_inputs, level, key), signature, key), spec
         from .runtime.capture import CapturedGraph, Pool
 
         split_gm, unsafe_pieces = piecewise.split(gm, unsafe)
@@ -219,17 +227,17 @@ class Backend:
             return wrapper
 
         piecewise.compile_pieces(split_gm, example_inputs, compile_piece)
-        runner = GraphRunner(split_gm, signature, captured, self.config, self._report, self.callers)
+        runner = GraphRunner(split_gm, signature, captured, self.config, self._report, self.callers, key)
         return runner, "it is split into pieces around ops a device graph cannot replay"
 
-    def _runner(self, compiled: Callable, signature: Any) -> Callable:
+    def _runner(self, compiled: Callable, signature: Any, key: str | None) -> Callable:
         """The runtime of an unsplit graph: one CapturedGraph, its device graphs in one pool."""
         from .runtime.capture import CapturedGraph, Pool
         from .runtime.runner import GraphRunner
 
         record = self._report.piece(len(self._report.pieces), None)
         captured = CapturedGraph(compiled, record, self.config, self._report, Pool(self.config), signature.static)
-        return GraphRunner(captured, signature, [captured], self.config, self._report, self.callers)
+        return GraphRunner(captured, signature, [captured], self.config, self._report, self.callers, key)
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], level: int,
                  key: str | None = None) -> Callable:
@@ -347,7 +355,7 @@ class Backend:
         self._restore(stored, record)
         record.compile_seconds = time.perf_counter() - start
         record.traced = False
-        return self._runner(compiled, spec.signature) if spec.signature else compiled
+        return self._runner(compiled, spec.signature, spec.key) if spec.signature else compiled
 
     def _optimize(self, gm: torch.fx.GraphModule, record: GraphRecord, inputs: list, kinds: list[str]) -> dict:
         records = PassManager(self.config, self._report).optimize(gm, record, inputs, kinds)
