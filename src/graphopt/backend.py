@@ -17,7 +17,6 @@ import contextlib
 import functools
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -28,7 +27,7 @@ from ._compat import autotune
 from ._compat import cache as compat_cache
 from ._compat import traces as compat_traces
 from ._compat.names import RECOMPILE_LIMIT
-from .backend_cache import BackendCache, device_type
+from .backend_cache import BackendCache, GraphSpec, NotStorable, device_type
 from .config import WEIGHT_COPYING_INDUCTOR_OPTIONS, GraphOptimizationConfig
 from .lowering import lower_to_bindings
 from .passes.manager import PassManager, check_pass_names
@@ -38,22 +37,6 @@ from .report import GraphRecord, Report
 # Graphs each Backend may add to Dynamo's per-function recompile limit: batch size 1
 # (specialised), the dynamic graph, and recompiles after guarded changes.
 RECOMPILE_BUDGET = 8
-
-
-@dataclass
-class GraphSpec:
-    """How a later process builds again what `Backend.__call__` returned for one
-    Dynamo graph (traces.py stores it with the graph's Dynamo trace)."""
-
-    key: str                         # the graph's compile cache key: its records, its level-1 code
-    level: int
-    signature: Any = None            # with device graphs: the GraphRunner's Signature
-    inductor: bytes | None = None    # level 2: Inductor's compiled graph, serialized
-    passes: str | None = None        # BackendCache.pass_uuid() it was compiled under
-
-
-class NotStorable(Exception):
-    """Why a stored trace cannot be used: its graph is gone from the compile cache."""
 
 
 def inductor_options(device_type: str, cached: bool, frozen: bool = False) -> dict[str, Any]:
