@@ -51,7 +51,9 @@ def inductor_options(device_type: str, cached: bool, frozen: bool = False) -> di
         # packed for its micro-kernel) and with ATen's, the faster kept, measured in
         # this process on this machine (not from Inductor's cache) so the report can
         # say what was chosen (GraphRecord.gemms). docs/configuration.md has the figures.
-        options.update(max_autotune_gemm=True, max_autotune_gemm_backends="CPP,ATEN", autotune_local_cache=False)
+        # Inductor prints each measurement on stderr; the report carries them instead.
+        options.update(max_autotune_gemm=True, max_autotune_gemm_backends="CPP,ATEN", autotune_local_cache=False,
+                       autotune_num_choices_displayed=0)
     if device_type == "cpu" and not _compat.distributed_initialized():
         # A C++ wrapper instead of a Python one: the decode step of the tiny decoder
         # runs ~2x faster (100 vs 196 us at batch 1) for ~2x the compile time. It
