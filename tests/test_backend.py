@@ -192,6 +192,7 @@ def test_a_backend_gives_its_recompile_budget_back_when_it_goes():
 
     from graphopt.backend import RECOMPILE_BUDGET
 
+    gc.collect()  # Backends of earlier tests that are already garbage give their share back first
     before = _compat.recompile_limit()
     backend = graphopt.Backend(graphopt.GraphOptimizationConfig(graph_opt_level=1))
     assert _compat.recompile_limit() == before + RECOMPILE_BUDGET

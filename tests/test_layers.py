@@ -28,7 +28,7 @@ LAYERS = {  # the first part of a module's dotted name below graphopt -> its lay
     "config": BASE, "report": BASE, "cache": BASE, "arena": BASE, "bindings": BASE, "kernels": BASE,
     "models": BASE, "_compat": BASE,
     "passes": "passes", "runtime": "runtime",
-    "backend": "backend", "backend_cache": "backend", "modes": "backend", "repack": "backend",
+    "backend": "backend", "backend_cache": "backend", "modes": "backend", "repack": "backend", "recompiles": "backend",
     "executors": "backend",
     "lowering": "backend",
     "api": "api", "traces": "api",

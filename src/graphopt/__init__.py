@@ -12,6 +12,7 @@ from .modes import MODES, backends, graphopt_backend
 from .passes.fusion.replacement import fwd_only, register_replacement
 from .passes.base import PassResult
 from .passes.manager import PassVerificationError
+from .recompiles import RecompileError
 from .report import Report
 from .runtime.device_graph import DeviceGraph, graph_pool_handle
 from .runtime.safety import CaptureError, CaptureProblem, check
@@ -30,6 +31,7 @@ __all__ = [
     "OptimizedModule",
     "PassResult",
     "PassVerificationError",
+    "RecompileError",
     "Report",
     "backends",
     "check",

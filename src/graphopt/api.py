@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from . import _compat
+from . import _compat, recompiles
 from ._compat.names import tree_flatten, tree_leaves, tree_unflatten
 from .backend import Backend
 from .config import GraphOptimizationConfig
@@ -57,7 +57,9 @@ class _Step:
         self.compiles = config.graph_opt_level > 0 or config.use_cudagraph
         self.fn = torch.compile(fn, backend=self.backend) if self.compiles else fn
         self.traces = None
-        if config.graph_opt_level > 0 and config.cache_traces and self.backend.cache.bypass() is None:
+        # on_recompile "warn" / "error" need Dynamo's guards to say what failed: no stored traces then.
+        if config.graph_opt_level > 0 and config.cache_traces and self.backend.cache.bypass() is None \
+                and config.on_recompile == "recompile":
             identity = json.dumps([config.to_json(), self.dynamic_dims, self.pad_values], sort_keys=True)
             self.traces = StoredTraces(fn, self.backend, identity, self._mark_dynamic)
         self.last_call: tuple[tuple, dict] | None = None
@@ -74,7 +76,13 @@ class _Step:
             # makes the graphs a trace would (a dynamic batch in every graph), so the
             # compile cache serves both ways of running the step.
             self._mark_dynamic(args, kwargs)
-        return self.fn(*args, **kwargs)
+        try:
+            return self.fn(*args, **kwargs)
+        except Exception as error:
+            refused = recompiles.raised(error)  # Dynamo wraps what a backend raises: give the user ours
+            if refused is None:
+                raise
+            raise refused from None
 
     def _mark_dynamic(self, args: tuple, kwargs: dict) -> None:
         for leaf, dim in zip(tree_leaves((args, kwargs)), self.leaf_dims(args, kwargs)):
@@ -113,8 +121,13 @@ class _Step:
             args, kwargs = self.last_call
         leaves, spec = tree_flatten((args, kwargs))
         dims = self.leaf_dims(args, kwargs)
-        sizes = sorted(self.config.cudagraph_capture_sizes, reverse=True)
-        with _capture_progress(len(sizes)) as advance:
+        sizes = self.config.cudagraph_capture_sizes
+        if self.config.auto_capture_sizes:  # the sizes planned from the traffic the compile cache kept
+            with self.backend.capture_calls():
+                self(*args, **kwargs)
+            sizes = self.backend.report().capture_sizes
+        sizes = sorted(sizes, reverse=True)
+        with _capture_progress(len(sizes)) as advance, self.backend.capture_calls():
             for size in sizes:
                 advance(size)
                 sized = [_resized(leaf, dim, size) if dim is not None else leaf for leaf, dim in zip(leaves, dims)]

@@ -17,18 +17,17 @@ import contextlib
 import functools
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx
 
-from . import _compat, cache, modes
+from . import _compat, cache, modes, recompiles
 from ._compat import autotune
 from ._compat import cache as compat_cache
 from ._compat import traces as compat_traces
 from ._compat.names import RECOMPILE_LIMIT
-from .backend_cache import BackendCache, device_type
+from .backend_cache import BackendCache, GraphSpec, NotStorable, device_type
 from .config import WEIGHT_COPYING_INDUCTOR_OPTIONS, GraphOptimizationConfig
 from .lowering import lower_to_bindings
 from .passes.manager import PassManager, check_pass_names
@@ -38,22 +37,6 @@ from .report import GraphRecord, Report
 # Graphs each Backend may add to Dynamo's per-function recompile limit: batch size 1
 # (specialised), the dynamic graph, and recompiles after guarded changes.
 RECOMPILE_BUDGET = 8
-
-
-@dataclass
-class GraphSpec:
-    """How a later process builds again what `Backend.__call__` returned for one
-    Dynamo graph (traces.py stores it with the graph's Dynamo trace)."""
-
-    key: str                         # the graph's compile cache key: its records, its level-1 code
-    level: int
-    signature: Any = None            # with device graphs: the GraphRunner's Signature
-    inductor: bytes | None = None    # level 2: Inductor's compiled graph, serialized
-    passes: str | None = None        # BackendCache.pass_uuid() it was compiled under
-
-
-class NotStorable(Exception):
-    """Why a stored trace cannot be used: its graph is gone from the compile cache."""
 
 
 def inductor_options(device_type: str, cached: bool, frozen: bool = False) -> dict[str, Any]:
@@ -68,7 +51,9 @@ def inductor_options(device_type: str, cached: bool, frozen: bool = False) -> di
         # packed for its micro-kernel) and with ATen's, the faster kept, measured in
         # this process on this machine (not from Inductor's cache) so the report can
         # say what was chosen (GraphRecord.gemms). docs/configuration.md has the figures.
-        options.update(max_autotune_gemm=True, max_autotune_gemm_backends="CPP,ATEN", autotune_local_cache=False)
+        # Inductor prints each measurement on stderr; the report carries them instead.
+        options.update(max_autotune_gemm=True, max_autotune_gemm_backends="CPP,ATEN", autotune_local_cache=False,
+                       autotune_num_choices_displayed=0)
     if device_type == "cpu" and not _compat.distributed_initialized():
         # A C++ wrapper instead of a Python one: the decode step of the tiny decoder
         # runs ~2x faster (100 vs 196 us at batch 1) for ~2x the compile time. It
@@ -114,7 +99,8 @@ class Backend:
         self.mode = mode
         check_pass_names(self.config.disabled_passes)
         self._report = Report(self.config.graph_opt_level)
-        self._report.capture_sizes = list(self.config.cudagraph_capture_sizes)
+        # With "auto", the sizes the runners' plans choose (runtime/capture_plan.py).
+        self._report.capture_sizes = [] if self.config.auto_capture_sizes else list(self.config.cudagraph_capture_sizes)
         self._report.notes += kept
         self.cache = BackendCache(self.config, self._report)
         if self.config.graph_opt_level == 2 and not torch.cuda.is_available():
@@ -133,6 +119,12 @@ class Backend:
         for executor in self.executors:
             executor.refresh()
         return sum(refresh_folded_constants(gm) for gm in self.graph_modules)
+
+    def capture_calls(self) -> contextlib.AbstractContextManager:
+        """Calls made to capture (capture_all()): not traffic, so not counted nor planned on."""
+        from .runtime.capture_plan import not_traffic
+
+        return not_traffic()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
                  options: Mapping[str, Any] | None = None) -> Callable:
@@ -174,6 +166,7 @@ class Backend:
         self.compiled_dynamic |= any(isinstance(x, torch.SymInt) for x in example_inputs)
         if _compat.is_recompile():
             self._report.recompiles += 1
+            recompiles.on_recompile(self.config.on_recompile, self._report)
         device = device_type(example_inputs)
         level = self._level(device)
         mode = self._cudagraph_mode(level, device)
@@ -208,7 +201,7 @@ class Backend:
         if not unsafe:
             if isinstance(spec, GraphSpec):
                 spec.signature = signature
-            return self._runner(self._compile(gm, example_inputs, level, key), signature), spec
+            return self._runner(self._compile(gm, example_inputs, level, key), signature, key), spec
         from .runtime.capture import CapturedGraph, Pool
 
         split_gm, unsafe_pieces = piecewise.split(gm, unsafe)
@@ -234,17 +227,17 @@ class Backend:
             return wrapper
 
         piecewise.compile_pieces(split_gm, example_inputs, compile_piece)
-        runner = GraphRunner(split_gm, signature, captured, self.config, self._report, self.callers)
+        runner = GraphRunner(split_gm, signature, captured, self.config, self._report, self.callers, key)
         return runner, "it is split into pieces around ops a device graph cannot replay"
 
-    def _runner(self, compiled: Callable, signature: Any) -> Callable:
+    def _runner(self, compiled: Callable, signature: Any, key: str | None) -> Callable:
         """The runtime of an unsplit graph: one CapturedGraph, its device graphs in one pool."""
         from .runtime.capture import CapturedGraph, Pool
         from .runtime.runner import GraphRunner
 
         record = self._report.piece(len(self._report.pieces), None)
         captured = CapturedGraph(compiled, record, self.config, self._report, Pool(self.config), signature.static)
-        return GraphRunner(captured, signature, [captured], self.config, self._report, self.callers)
+        return GraphRunner(captured, signature, [captured], self.config, self._report, self.callers, key)
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], level: int,
                  key: str | None = None) -> Callable:
@@ -362,7 +355,7 @@ class Backend:
         self._restore(stored, record)
         record.compile_seconds = time.perf_counter() - start
         record.traced = False
-        return self._runner(compiled, spec.signature) if spec.signature else compiled
+        return self._runner(compiled, spec.signature, spec.key) if spec.signature else compiled
 
     def _optimize(self, gm: torch.fx.GraphModule, record: GraphRecord, inputs: list, kinds: list[str]) -> dict:
         records = PassManager(self.config, self._report).optimize(gm, record, inputs, kinds)

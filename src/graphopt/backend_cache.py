@@ -1,9 +1,11 @@
 """What of a Backend's work goes through the compile cache (`cache.py`): whether its
-graphs may be stored at all, their keys, and the records stored beside them."""
+graphs may be stored at all, their keys, the records stored beside them, and the spec a
+later process builds a stored trace's graph from (`GraphSpec`)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -13,6 +15,22 @@ from . import cache
 from .config import GraphOptimizationConfig
 from .passes.fusion.replacement import USER_PATTERNS, Unkeyable
 from .report import GraphRecord, Report
+
+
+@dataclass
+class GraphSpec:
+    """How a later process builds again what `Backend.__call__` returned for one
+    Dynamo graph (traces.py stores it with the graph's Dynamo trace)."""
+
+    key: str                         # the graph's compile cache key: its records, its level-1 code
+    level: int
+    signature: Any = None            # with device graphs: the GraphRunner's Signature
+    inductor: bytes | None = None    # level 2: Inductor's compiled graph, serialized
+    passes: str | None = None        # BackendCache.pass_uuid() it was compiled under
+
+
+class NotStorable(Exception):
+    """Why a stored trace cannot be used: its graph is gone from the compile cache."""
 
 
 def device_type(inputs: Sequence[Any]) -> str:

@@ -46,6 +46,9 @@ def tolerance(dtype: torch.dtype) -> tuple[float, float]:
 GRAPH_OPT_LEVELS: Final = (0, 1, 2)
 CAPTURE_ERROR_MODES: Final = ("global", "thread_local", "relaxed")
 CUDAGRAPH_MODES: Final = ("none", "piecewise", "full")
+# cudagraph_capture_sizes="auto": sizes chosen from traffic (runtime/capture_plan.py).
+AUTO_CAPTURE_SIZES: Final = "auto"
+ON_RECOMPILE: Final = ("recompile", "warn", "error")
 
 
 CACHE_DIR_ENV: Final = "GRAPHOPT_CACHE_DIR"
@@ -85,9 +88,15 @@ class GraphOptimizationConfig:
 
     graph_opt_level: int = 1
     use_cudagraph: bool = True
-    # Resolved in __post_init__: always a sorted list without duplicates afterwards.
-    cudagraph_capture_sizes: list[int] | None = None
+    # Resolved in __post_init__: a sorted list without duplicates afterwards, or "auto".
+    cudagraph_capture_sizes: list[int] | str | None = None
     max_num_seqs: int = 256
+    # With "auto" sizes: calls between two plans of the capture sizes.
+    capture_replan_interval: int = 64
+    # Bytes the graph pools (CUDA pools, host arenas) of one Backend may hold together; None: no limit.
+    graph_memory_budget: int | None = None
+    # What a recompile (a Dynamo guard failed) does: "recompile", "warn" once per guard, or "error".
+    on_recompile: str = "recompile"
     cudagraph_num_of_warmups: int = 2
     # None: "full" where the whole graph can be captured, else "piecewise".
     cudagraph_mode: str | None = None
@@ -126,8 +135,11 @@ class GraphOptimizationConfig:
         _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         if self.cudagraph_capture_sizes is None:
             self.cudagraph_capture_sizes = default_capture_sizes(self.max_num_seqs)
-        else:
+        elif self.cudagraph_capture_sizes != AUTO_CAPTURE_SIZES:
             self.cudagraph_capture_sizes = _capture_sizes(self.cudagraph_capture_sizes)
+        _check_int("capture_replan_interval", self.capture_replan_interval, minimum=1)
+        _check_budget(self.graph_memory_budget)
+        _check_choice("on_recompile", self.on_recompile, ON_RECOMPILE)
         _check_int("cudagraph_num_of_warmups", self.cudagraph_num_of_warmups, minimum=0)
         _check_choice("cudagraph_mode", self.cudagraph_mode, CUDAGRAPH_MODES, optional=True)
         self.cudagraph_splitting_ops = _aten_op_names(self.cudagraph_splitting_ops)
@@ -142,6 +154,15 @@ class GraphOptimizationConfig:
         self.inductor_compile_config = _inductor_compile_config(self.inductor_compile_config,
                                                                 self.freeze_parameters)
         self.executors = _executors(self.executors, self.freeze_parameters)
+
+    @property
+    def auto_capture_sizes(self) -> bool:
+        """Whether capture sizes are chosen from traffic (`cudagraph_capture_sizes="auto"`)."""
+        return self.cudagraph_capture_sizes == AUTO_CAPTURE_SIZES
+
+    def largest_capture_size(self) -> int:
+        """The largest batch that may get a device graph: with "auto", max_num_seqs."""
+        return self.max_num_seqs if self.auto_capture_sizes else max(self.cudagraph_capture_sizes)
 
     def pass_enabled(self, name: str) -> bool:
         """Whether the graph pass ``name`` should run ("*" in disabled_passes turns all off)."""
@@ -165,7 +186,8 @@ class GraphOptimizationConfig:
     def to_dict(self) -> dict[str, Any]:
         # Not dataclasses.asdict: it would deep-copy graph_pool, which must stay the same handle.
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        data["cudagraph_capture_sizes"] = list(self.cudagraph_capture_sizes or ())
+        sizes = self.cudagraph_capture_sizes
+        data["cudagraph_capture_sizes"] = sizes if sizes == AUTO_CAPTURE_SIZES else list(sizes or ())
         data["disabled_passes"] = list(self.disabled_passes)
         data["cudagraph_splitting_ops"] = list(self.cudagraph_splitting_ops)
         data["rowwise_ops"] = list(self.rowwise_ops)
@@ -273,7 +295,8 @@ def _op_names(key: str, value: object) -> list[str]:
 
 
 def _capture_sizes(value: object) -> list[int]:
-    accepted = "cudagraph_capture_sizes must be a non-empty list of ints >= 1 (or null for the defaults)"
+    accepted = ('cudagraph_capture_sizes must be a non-empty list of ints >= 1, "auto" (chosen from '
+                'traffic) or null for the defaults')
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"{accepted}, got {_describe(value)}")
     if not value:
@@ -284,6 +307,16 @@ def _capture_sizes(value: object) -> list[int]:
         if size < 1:
             raise ValueError(f"{accepted}, got {size} at index {i}")
     return sorted(set(value))
+
+
+def _check_budget(value: object) -> None:
+    accepted = "graph_memory_budget must be an int number of bytes >= 0, or null for no limit"
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{accepted}, got {_describe(value)}")
+    if value < 0:
+        raise ValueError(f"{accepted}, got {value}")
 
 
 def _pass_names(value: object) -> list[str]:

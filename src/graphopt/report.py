@@ -102,6 +102,38 @@ class MemoryRecord:
 
 
 @dataclass
+class PlanRecord:
+    """The capture plan of one runtime graph with `cudagraph_capture_sizes="auto"`
+    (`runtime/capture_plan.py`): its traffic and the sizes chosen from it."""
+
+    graph: int
+    histogram: Counter = field(default_factory=Counter)  # batch size -> calls
+    sizes: list[int] = field(default_factory=list)       # the capture sizes of the last plan
+    reasons: list[str] = field(default_factory=list)     # why the last plan chose them
+    expected_padded_rows: float = 0.0                    # what the last plan expects from its traffic
+    replans: int = 0
+    released: int = 0                                    # sizes let go since their traffic went
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"graph": self.graph, "histogram": dict(sorted(self.histogram.items())), "sizes": list(self.sizes),
+                "reasons": list(self.reasons), "expected_padded_rows": self.expected_padded_rows,
+                "replans": self.replans, "released": self.released}
+
+
+@dataclass
+class BudgetRefusal:
+    """A capture graph_memory_budget refused: the bytes the pools would have held, and the budget's room."""
+
+    piece: str
+    size: int | None
+    needed: int
+    available: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"piece": self.piece, "size": self.size, "needed": self.needed, "available": self.available}
+
+
+@dataclass
 class Report:
     level: int
     graphs: list[GraphRecord] = field(default_factory=list)
@@ -117,6 +149,12 @@ class Report:
     rebinds: int = 0          # new tensors in a static input's place that a device graph took without a capture
     replays: int = 0
     recompiles: int = 0       # graphs Dynamo compiled again after a guard failed
+    recompile_reasons: Counter = field(default_factory=Counter)  # the guard that failed, as Dynamo says it
+    steps: int = 0            # calls of the runtime graphs (capture_all()'s not counted)
+    steps_replayed: int = 0   # of those, calls whose every captured piece replayed
+    padded_rows: int = 0      # rows added to batches to reach their capture size
+    plans: list[PlanRecord] = field(default_factory=list)
+    budget_refusals: list[BudgetRefusal] = field(default_factory=list)
     cache_hits: int = 0       # graphs loaded from the compile cache (cache.py)
     cache_misses: int = 0     # graphs the cache did not have (or had broken): compiled and stored
     cache_rebuilt: int = 0    # of those misses, broken entries that were removed and rebuilt
@@ -150,6 +188,10 @@ class Report:
         return sum(self.pools.values())
 
     @property
+    def capture_seconds(self) -> float:
+        return sum(c.seconds for c in self.captures)
+
+    @property
     def compile_seconds(self) -> float:
         return sum(g.compile_seconds for g in self.graphs)
 
@@ -170,6 +212,11 @@ class Report:
             "rebinds": self.rebinds,
             "replays": self.replays,
             "recompiles": self.recompiles,
+            "recompile_reasons": dict(self.recompile_reasons),
+            "steps": self.steps, "steps_replayed": self.steps_replayed, "padded_rows": self.padded_rows,
+            "capture_seconds": round(self.capture_seconds, 3),
+            "plans": [p.to_dict() for p in self.plans],
+            "budget_refusals": [r.to_dict() for r in self.budget_refusals],
             "cache": {"hits": self.cache_hits, "misses": self.cache_misses, "rebuilt": self.cache_rebuilt,
                       "traces_stored": self.traces_stored, "traces_used": self.traces_used},
             "repacks": self.repacks,
@@ -214,6 +261,11 @@ class Report:
                          f"{self.pool_bytes / 2**20:.2f} MiB, {self.replays} replays, "
                          f"{self.recaptures} recaptures, {self.rebinds} rebinds, {self.recompiles} recompiles")
             lines.extend(f"    {n} x recaptured: {reason}" for reason, n in self.recapture_reasons.items())
+            lines.append(f"    {self.steps_replayed} of {self.steps} steps replayed, {self.padded_rows} padded rows, "
+                         f"capture {self.capture_seconds:.2f}s")
+            lines.extend(f"    {r.piece} at size {r.size}: capture refused by graph_memory_budget, needed "
+                         f"{r.needed} bytes, {r.available} available" for r in self.budget_refusals)
+            lines.extend(_plan_lines(p) for p in self.plans)
             lines.extend(f"    graph {graph}: {how}" for graph, how in self.batches.items())
             for piece in (p for graph in self.pieces for p in graph if len(graph) > 1):
                 how = "captured" if piece.split_reason is None else f"runs between replays: {piece.split_reason}"
@@ -224,4 +276,14 @@ class Report:
         if self.fallbacks:
             lines.append("  fallbacks:")
             lines.extend(f"    {n} x {reason}" for reason, n in self.fallbacks.items())
+        lines.extend(f"  {n} x recompiled: {reason}" for reason, n in self.recompile_reasons.items())
         return "\n".join(lines)
+
+
+def _plan_lines(plan: PlanRecord) -> str:
+    histogram = ", ".join(f"{size}: {n}" for size, n in sorted(plan.histogram.items()))
+    lines = [f"    graph {plan.graph} capture sizes \"auto\": {plan.sizes or '-'} after {plan.replans} plans "
+             f"({plan.released} sizes released), expected padding {plan.expected_padded_rows:g} rows",
+             f"      batch sizes seen: {histogram or '-'}"]
+    lines.extend(f"      {reason}" for reason in plan.reasons)
+    return "\n".join(lines)

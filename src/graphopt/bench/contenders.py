@@ -62,6 +62,8 @@ def contenders(device: str) -> list[Contender]:
         found.append(Contender(f"L{level}+graphs", f"graphopt L{level} + {graphs}", "graphopt", level, True))
     found.append(Contender("L1+frozen", "graphopt L1 frozen", "graphopt", 1, frozen=True))
     found.append(Contender("L1+engines", "graphopt L1 + engines", "graphopt", 1, frozen=True, engines=True))
+    # Level 2's defaults with freeze_parameters: the GEMMs on packed weights where they win.
+    found.append(Contender("L2+frozen", "graphopt L2 frozen", "graphopt", 2, frozen=True))
     # "tuned": frozen weights and Inductor's autotuned GEMMs (TUNED); a short name keeps the table narrow.
     found.append(Contender("L2+tuned", "graphopt L2 tuned" + (f" + {graphs}" if cuda else ""),
                            "graphopt", 2, device_graphs=cuda, tuned=True))

@@ -22,12 +22,19 @@ capture for good, with the op and the user's line in the report. It also notes
 the process groups the callable communicates over: then each capture ends with
 the ranks agreeing that every one of them captured (`ranks.py`), and if one
 failed, every rank runs the callable without device graphs from then on.
+
+With `graph_memory_budget`, a capture is refused, before it starts, when the
+pools would hold more than the budget with it (scaled from the largest graph
+captured); a host graph also checks its exact arena need before the arena grows,
+a CUDA graph its pool's growth (`torch.cuda.memory_stats`) before it is kept. A
+refused key runs the callable from then on, until `release()`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -36,8 +43,8 @@ import torch
 
 from .._compat.names import tree_leaves
 from ..config import GraphOptimizationConfig
-from ..report import CaptureRecord, PieceRecord, Report
-from .device_graph import DeviceGraph, graph_pool_handle, warmup_stream
+from ..report import BudgetRefusal, CaptureRecord, PieceRecord, Report
+from .device_graph import DeviceGraph, PoolBudgetExceeded, graph_pool_handle, warmup_stream
 from .ranks import ranks_captured
 from .safety import CaptureGuard
 
@@ -61,6 +68,7 @@ class Pool:
     def __init__(self, config: GraphOptimizationConfig):
         self.handle = config.graph_pool
         self.shared = config.graph_pool is not None or config.reuse_pool_in_same_graph
+        self.cuda_bytes = 0  # a CUDA pool's growth over its captures, from torch.cuda.memory_stats
 
     def get(self, device: torch.device) -> Any:
         if not self.shared:
@@ -76,6 +84,7 @@ class _Entry:
     graph: DeviceGraph | None = None
     inputs: list[tuple] = field(default_factory=list)  # (index, tensor the capture read, how a new one is taken)
     outputs: Any = None                               # what every replay writes
+    refused: bool = False                             # graph_memory_budget refused its capture
 
 
 class CapturedGraph:
@@ -96,22 +105,26 @@ class CapturedGraph:
         self.refused: str | None = None
         self.groups: list[str] = []  # process groups the callable's collectives use
         self.owns_outputs = False  # the last call's outputs live in a device graph's memory
+        self.replayed = False  # the last call replayed a device graph
+        self.refused_sizes: set[int] = set()  # sizes graph_memory_budget refused
 
     def __call__(self, *args: Any) -> Any:
         key = _key.get()
-        self.owns_outputs = False
+        self.owns_outputs = self.replayed = False
         if key is None or self.refused is not None:
             return self.fn(*args)
         entry = self.entries.get(key)
         if entry is None:
             entry = self.entries[key] = _Entry(self.warmups)
+        if entry.refused:
+            return self.fn(*args)
         if entry.graph is not None:
             recapture = self._bring_inputs(entry, args)
             if recapture is None:
                 entry.graph.replay()
                 self.report.replays += 1
                 self.record.replays += 1
-                self.owns_outputs = True
+                self.owns_outputs = self.replayed = True
                 return entry.outputs
             entry.graph.reset()
             self.entries[key] = entry = _Entry(self.warmups)
@@ -142,6 +155,9 @@ class CapturedGraph:
     def _capture(self, key: tuple, entry: _Entry, args: tuple) -> Any:
         start = time.perf_counter()
         device = _device(args)
+        limit = self._pool_limit()
+        if limit is not None and self.pool_bytes_at(key[0] or 0) > limit:
+            return self._refuse_budget(key, entry, self.pool_bytes_at(key[0] or 0), limit, self.fn(*args))
         graph = DeviceGraph(device, self.config.capture_error_mode, self.pool.get(device))
         hows = [_how(a, static) for a, static in zip(args, self.static)]
         if graph.rebinds:
@@ -150,7 +166,14 @@ class CapturedGraph:
         graph.capture_begin()
         try:
             outputs = self.fn(*args)
-            graph.capture_end([t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)])
+            graph.capture_end([t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)],
+                              max_growth=None if limit is None else limit - self._own_bytes())
+        except PoolBudgetExceeded as over:
+            graph.abort()
+            if not self.groups:  # with collectives, the ranks must hear of it first (below)
+                ran = outputs if graph.executes_during_capture else self.fn(*args)
+                return self._refuse_budget(key, entry, self._own_bytes() + over.needed, limit, ran)
+            error = over
         except BaseException as caught:
             graph.abort()
             if not self.groups:
@@ -170,9 +193,63 @@ class CapturedGraph:
         entry.inputs = [(i, a, how) for i, (a, how) in enumerate(zip(args, hows)) if isinstance(a, torch.Tensor)]
         self.owns_outputs = True
         self.record.captures += 1
+        self.pool.cuda_bytes += graph.pool_growth
         self.report.captures.append(CaptureRecord(key[0], graph.nbytes, time.perf_counter() - start, self.name))
-        self.report.pools[id(self.pool.handle) if self.pool.shared else id(graph)] = \
-            self._pool_bytes() if self.pool.shared else graph.nbytes
+        self._account()
+        return outputs
+
+    def release(self, size: int) -> None:
+        """Let go of the device graphs at capture size `size`: reset, their memory
+        back to the pool (a host arena shrinks to what the other graphs need)."""
+        for key in [k for k in self.entries if k[0] == size]:
+            graph = self.entries.pop(key).graph
+            if graph is not None:
+                graph.reset()
+                self.report.pools.pop(id(graph), None)
+        self.refused_sizes.discard(size)
+        self._account()
+
+    def pool_bytes_at(self, size: int) -> int:
+        """What this graph's pool would hold with a graph at `size` captured too:
+        the largest graph captured, scaled by batch (its intermediates grow with
+        it); the pool as it is before the first capture."""
+        now = self._pool_bytes() if self.pool.shared else 0
+        known = [(k[0], e.graph.nbytes) for k, e in self.entries.items() if e.graph is not None and k[0]]
+        if not known:
+            return now
+        largest, nbytes = max(known)
+        estimate = math.ceil(nbytes * size / largest)
+        return max(now, estimate) if self.pool.shared else sum(b for _, b in known) + estimate
+
+    def _pool_limit(self) -> int | None:
+        """The bytes this graph's pools may hold: the budget less every other pool's."""
+        budget = self.config.graph_memory_budget
+        if budget is None:
+            return None
+        return budget - (self.report.pool_bytes - self._own_bytes())
+
+    def _own_bytes(self) -> int:
+        """Bytes this graph's pools hold now."""
+        return sum(self.report.pools.get(i, 0) for i in self.pool_ids())
+
+    def pool_ids(self) -> list[int]:
+        if self.pool.shared:
+            return [id(self.pool.handle)]
+        return [id(e.graph) for e in self.entries.values() if e.graph is not None]
+
+    def _account(self) -> None:
+        if self.pool.shared:
+            self.report.pools[id(self.pool.handle)] = self._pool_bytes()
+        else:
+            self.report.pools.update({id(e.graph): e.graph.nbytes for e in self.entries.values()
+                                      if e.graph is not None})
+
+    def _refuse_budget(self, key: tuple, entry: _Entry, needed: int, available: int, outputs: Any) -> Any:
+        entry.refused = True
+        self.refused_sizes.add(key[0])
+        self.report.budget_refusals.append(BudgetRefusal(self.name, key[0], needed, available))
+        self.report.fallback(f"graph_memory_budget: capture of {self.name} at size {key[0]} refused: the graph "
+                             f"pools would hold {needed} bytes, {available} are left of the budget")
         return outputs
 
     def _refuse_on_every_rank(self, error: BaseException | None, outputs: Any, args: tuple, executed: bool) -> Any:
@@ -211,11 +288,13 @@ class CapturedGraph:
         return None
 
     def _pool_bytes(self) -> int:
-        """A shared pool's size: a host pool knows its arena's; a CUDA pool is
-        estimated as its largest graph's (graphs of one pool reuse its memory)."""
+        """A shared pool's size: a host pool knows its arena's; a CUDA pool is what
+        its captures made the caching allocator reserve (graphs of one pool reuse its
+        memory), else its largest graph's."""
         if isinstance(getattr(self.pool.handle, "nbytes", None), int):
             return self.pool.handle.nbytes
-        return max((e.graph.nbytes for e in self.entries.values() if e.graph is not None), default=0)
+        largest = max((e.graph.nbytes for e in self.entries.values() if e.graph is not None), default=0)
+        return max(self.pool.cuda_bytes, largest) if largest else 0
 
 
 def _how(value: Any, static: bool) -> str:

@@ -10,6 +10,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from .device_graph import PoolBudgetExceeded
 from .safety import CaptureGuard
 
 
@@ -38,6 +39,7 @@ class CudaGraph:
         self.pool = pool
         self.graph = torch.cuda.CUDAGraph()
         self.nbytes = 0
+        self.pool_growth = 0  # bytes the capture made the caching allocator reserve
         self._context: contextlib.ExitStack | None = None
 
     def capture_begin(self) -> None:
@@ -47,18 +49,26 @@ class CudaGraph:
         context.enter_context(CaptureGuard())
         self._context = context
         self._allocated = torch.cuda.memory_allocated(self.device)
+        self._reserved = _reserved(self.device)
         try:
             self.graph.capture_begin(pool=self.pool, capture_error_mode=self.mode)
         except BaseException:
             self._close()
             raise
 
-    def capture_end(self, outputs: Sequence[torch.Tensor] | None = None) -> None:
+    def capture_end(self, outputs: Sequence[torch.Tensor] | None = None, max_growth: int | None = None) -> None:
+        """`max_growth`: a capture that made the pool grow by more is dropped (a
+        stream capture cannot be sized before it runs) and PoolBudgetExceeded raised."""
         try:
             self.graph.capture_end()
         finally:
             self._close()
         self.nbytes = max(torch.cuda.memory_allocated(self.device) - self._allocated, 0)
+        self.pool_growth = max(_reserved(self.device) - self._reserved, 0)
+        if max_growth is not None and self.pool_growth > max_growth:
+            needed = self.pool_growth
+            self.reset()
+            raise PoolBudgetExceeded(needed, max_growth)
 
     def abort(self) -> None:
         """End a capture whose step raised, and leave the device usable."""
@@ -81,4 +91,9 @@ class CudaGraph:
 
     def reset(self) -> None:
         self.graph.reset()
-        self.nbytes = 0
+        self.nbytes = self.pool_growth = 0
+
+
+def _reserved(device: torch.device) -> int:
+    """What the caching allocator holds from the device, graph pools included."""
+    return torch.cuda.memory_stats(device).get("reserved_bytes.all.current", 0)

@@ -44,6 +44,15 @@ def warmup_stream(device: torch.device) -> Iterator[None]:
         yield
 
 
+class PoolBudgetExceeded(Exception):
+    """`capture_end(max_growth=...)` refused: the pool would have grown by `needed`
+    bytes, more than the `available` it may. The graph is left uncaptured."""
+
+    def __init__(self, needed: int, available: int):
+        super().__init__(f"the graph pool would grow by {needed} bytes, more than the {available} it may")
+        self.needed, self.available = needed, available
+
+
 class DeviceGraph:
     def __init__(self, place: torch.device | str | None = None, mode: str = "thread_local",
                  pool: Any = None):
@@ -65,10 +74,13 @@ class DeviceGraph:
     def capture_begin(self) -> None:
         self._graph.capture_begin()
 
-    def capture_end(self, outputs: Sequence[torch.Tensor] | None = None) -> None:
+    def capture_end(self, outputs: Sequence[torch.Tensor] | None = None, max_growth: int | None = None) -> None:
         """End the capture. `outputs` (optional) are the tensors that must stay
-        valid after a replay; the host backend reuses the memory of the rest."""
-        self._graph.capture_end(outputs)
+        valid after a replay; the host backend reuses the memory of the rest.
+        `max_growth`: the most bytes the graph's pool may grow by; more raises
+        PoolBudgetExceeded (a host arena is checked before it grows, a CUDA pool
+        after its capture, which is then dropped)."""
+        self._graph.capture_end(outputs, max_growth)
 
     def replay(self) -> None:
         self._graph.replay()
@@ -102,6 +114,11 @@ class DeviceGraph:
     def replay_fallback(self) -> str | None:
         """Why this host graph replays from Python although C++ was asked for; None otherwise."""
         return getattr(self._graph, "python_replay_reason", None)
+
+    @property
+    def pool_growth(self) -> int:
+        """Bytes the capture made a CUDA pool reserve (`torch.cuda.memory_stats`); 0 on the host."""
+        return getattr(self._graph, "pool_growth", 0)
 
     @property
     def nbytes(self) -> int:

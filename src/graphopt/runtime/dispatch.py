@@ -24,21 +24,27 @@ class Dispatcher:
 
     With padding, a batch runs at the smallest capture size >= it. Without
     (a static input or an output is tied to the exact batch), it runs at exactly
-    its own size, as long as that is within the largest capture size.
+    its own size, as long as that is within the largest capture size. With
+    `planned` sizes (capture sizes "auto"), only the planned sizes get graphs and
+    a batch the plan leaves out runs without one, with no fallback record: the
+    plan's reasons (`report().plans`) say why.
     """
 
-    def __init__(self, capture_sizes: list[int], padding: bool):
+    def __init__(self, capture_sizes: list[int] | tuple[int, ...], padding: bool, planned: bool = False):
         self.sizes = sorted(capture_sizes)
         self.padding = padding
+        self.planned = planned
 
     def __call__(self, batch: int | None) -> Dispatch:
         if batch is None:
             return Dispatch("graph")
         if batch == 0:
             return Dispatch("none")  # nothing to replay: the compiled code handles (or rejects) it as eager does
+        if self.planned and (not self.sizes or batch > self.sizes[-1]):
+            return Dispatch("none")
         if batch > self.sizes[-1]:
             return Dispatch("none", reason=f"batch size {batch} is above the largest capture size "
                                            f"{self.sizes[-1]}; running without a device graph")
         if not self.padding:
-            return Dispatch("graph", batch)
+            return Dispatch("graph", batch) if not self.planned or batch in self.sizes else Dispatch("none")
         return Dispatch("graph", next(s for s in self.sizes if s >= batch))

@@ -53,6 +53,7 @@ from .. import _compat
 from .._compat.names import TorchDispatchMode, tree_leaves
 from ..arena import plan_offsets
 from . import native_tape
+from .device_graph import PoolBudgetExceeded
 from .safety import CaptureGuard
 from .tape import is_copy_replay, plan_entry
 
@@ -144,11 +145,12 @@ class HostGraph:
         guard.__enter__()
         self._modes = (recorder, guard)
 
-    def capture_end(self, outputs: Sequence[torch.Tensor] | None = None) -> None:
+    def capture_end(self, outputs: Sequence[torch.Tensor] | None = None, max_growth: int | None = None) -> None:
         """Stop recording, move what the capture allocated into the pool's arena,
         and build the replay tape. `outputs` (any nesting of tensors) are what the
         caller reads after replay; None means any intermediate may escape, so none
-        shares memory with another (correct, but a bigger arena)."""
+        shares memory with another (correct, but a bigger arena). An arena that
+        would grow by more than `max_growth` raises PoolBudgetExceeded before it grows."""
         recorder = self._stop("capture_end")
         escaping = None if outputs is None else _tensors(outputs)
         try:
@@ -156,6 +158,8 @@ class HostGraph:
                 allocations, fresh = _analyse(recorder.records, escaping)
                 self._inputs = _inputs(recorder.records)
                 self._nbytes = _place(allocations, _arena_bytes_read(recorder.records, self.pool._storage))
+                if max_growth is not None and self._nbytes - self.pool.nbytes > max_growth:
+                    raise PoolBudgetExceeded(self._nbytes - self.pool.nbytes, max_growth)
                 self.pool._graphs.add(self)
                 self.pool._fit()
                 self._placed = _move(allocations, self.pool._storage)

@@ -9,7 +9,10 @@ real batch:
     args -> batch -> Dispatch(mode, size) -> static args -> graph at (size, ...) -> outputs[:batch]
 
 A batch of 0 rows, or one above the largest capture size, runs the compiled
-graph directly (the dispatcher says so).
+graph directly (the dispatcher says so). With capture sizes "auto" the sizes are
+the runner's capture plan (`capture_plan.py`): every call's batch is counted, and
+every `capture_replan_interval` calls, before dispatch and never during a replay,
+the sizes are planned again and the graphs of the sizes left out are released.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from typing import Any, Callable
 import torch
 
 from ..config import GraphOptimizationConfig
-from ..report import Report
+from ..report import PlanRecord, Report
 from .capture import CapturedGraph, running_at
+from .capture_plan import Planner, TrafficStore, is_traffic
 from .dispatch import Dispatcher
 from .signature import BatchMismatch, Signature
 from .static_inputs import StaticInputs
@@ -35,9 +39,11 @@ MAX_OTHER_VALUES = 8
 
 class GraphRunner:
     def __init__(self, graph: Callable, signature: Signature, captured: list[CapturedGraph],
-                 config: GraphOptimizationConfig, report: Report, callers: set[int] | None = None):
+                 config: GraphOptimizationConfig, report: Report, callers: set[int] | None = None,
+                 graph_key: str | None = None):
         """`graph` runs the compiled graph; its `captured` parts replay when called under a key.
-        `callers`: the threads that have called the step, shared by all its runners."""
+        `callers`: the threads that have called the step, shared by all its runners.
+        `graph_key`: the graph's compile cache key, under which "auto" keeps its traffic."""
         self.graph = graph
         self.signature = signature
         self.captured = captured
@@ -46,9 +52,20 @@ class GraphRunner:
         # Said once, by the first call that runs at a capture size (inputs a device graph cannot take never do).
         self.unsaid_exact_reason = signature.exact_reason if signature.has_batch else None
         report.batches[len(report.pieces) - 1] = _batch_description(signature)
-        sizes = config.cudagraph_capture_sizes
-        self.dispatcher = Dispatcher(sizes, padding=signature.exact_reason is None)
-        self.inputs = StaticInputs(signature, max(sizes), config.clone_input)
+        self.planner: Planner | None = None
+        padding = signature.exact_reason is None
+        if config.auto_capture_sizes and signature.has_batch:
+            record = PlanRecord(len(report.pieces) - 1)
+            report.plans.append(record)
+            self.planner = Planner(config, record, TrafficStore(config.cache_dir, graph_key, report), padding,
+                                   self._pool_bytes_at)
+            record.histogram = self.planner.traffic.seen
+            report.capture_sizes = sorted({s for plan in report.plans for s in plan.sizes})
+        sizes = self.planner.sizes if self.planner is not None else config.cudagraph_capture_sizes
+        if config.auto_capture_sizes and not signature.has_batch:
+            sizes = [config.max_num_seqs]  # a graph without a batch has one key whatever the sizes
+        self.dispatcher = Dispatcher(sizes, padding, planned=self.planner is not None)
+        self.inputs = StaticInputs(signature, config.largest_capture_size(), config.clone_input)
         self.other_values: set[tuple] = set()
         # Graphs of one pool share memory: they must never replay at once, across runners too.
         self.lock = _pool_lock(config.graph_pool)
@@ -70,6 +87,11 @@ class GraphRunner:
         except BatchMismatch as error:
             self.report.fallback(f"use_cudagraph: {error}; running without a device graph")
             return self.graph(*args)
+        traffic = is_traffic()
+        if traffic:
+            self.report.steps += 1
+            if self.planner is not None and batch is not None:
+                self._observe(batch)
         if self.unsaid_exact_reason is not None:
             self.report.fallback(f"use_cudagraph: batches are not padded to capture sizes but captured at "
                                  f"their exact size, because {self.unsaid_exact_reason}")
@@ -95,7 +117,34 @@ class GraphRunner:
                 self._warn_held_outputs()
             with running_at((dispatch.size or self.signature.static_batch, *other)):
                 outputs = self.graph(*static_args)
+            if traffic:
+                self.report.padded_rows += (dispatch.size or 0) - (batch or 0) if batch is not None else 0
+                self.report.steps_replayed += bool(self.captured) and all(p.replayed for p in self.captured)
             return self._hand_out(outputs, batch, dispatch.size, self.signature.numbers_of(args))
+
+    def _observe(self, batch: int) -> None:
+        """Count the call's batch; at a re-plan, release what the plan let go and dispatch on its sizes."""
+        planner = self.planner
+        for piece in self.captured:
+            for size in piece.refused_sizes:
+                planner.refused(size)
+        released = planner.observe(batch)
+        if released is None:
+            return
+        with self.lock:
+            for size in released:
+                for piece in self.captured:
+                    piece.release(size)
+        self.dispatcher = Dispatcher(planner.sizes, self.dispatcher.padding, planned=True)
+        self.report.capture_sizes = sorted({s for plan in self.report.plans for s in plan.sizes})
+
+    def _pool_bytes_at(self, size: int) -> int:
+        """What every graph pool would hold with this runner's graphs at `size` captured too."""
+        own = {i for piece in self.captured for i in piece.pool_ids()}
+        others = self.report.pool_bytes - sum(self.report.pools.get(i, 0) for i in own)
+        estimates = [piece.pool_bytes_at(size) for piece in self.captured]
+        shared = self.config.graph_pool is not None or self.config.reuse_pool_in_same_graph
+        return others + (max(estimates, default=0) if shared else sum(estimates))
 
     def _hand_out(self, outputs: Any, batch: int | None, size: int | None, numbers: dict[int, int]) -> Any:
         clone = self.config.clone_output or len(self.callers) > 1

@@ -1,0 +1,59 @@
+"""What Dynamo knows of the recompile being compiled now: the guard that failed,
+and the value it failed on. Private Dynamo state, read defensively: where a torch
+does not have it, graphopt says it does not know rather than failing the compile."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+# The subject of a guard: self.scale, L['x'], G['flag'], L['cache'][0].shape ...
+_SUBJECT = re.compile(r"(?:\b[LG]\[['\"][^'\"]+['\"]\]|\b[A-Za-z_]\w*)(?:\.\w+|\[[^\]]+\])*")
+
+
+_seen: dict[Any, int] = {}  # per code object: Dynamo's guard failures already read
+
+
+def recompile_reasons() -> list[str]:
+    """The guards that failed for the frame Dynamo is recompiling now, one per
+    graph it already had, as Dynamo words them ("tensor 'x' size mismatch at index
+    0. expected 4, actual 5", "L['self'].scale == 2.0"); [] where it cannot say."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        from torch._dynamo.utils import guard_failures, orig_code_map
+
+        code = InstructionTranslator.current_tx().f_code
+        code = orig_code_map.get(code, code)
+        failures = list(guard_failures.get(code, ()))
+    except Exception:  # noqa: BLE001 - a torch without them: the caller says the reason is unknown
+        return []
+    start, _seen[code] = _seen.get(code, 0), len(failures)
+    if start > len(failures):  # torch._dynamo.reset() cleared them
+        start = 0
+    return [re.sub(r"^\s*\[?\d+/\d+\]?:\s*", "", str(r)).strip() for r in failures[start:] if r]
+
+
+def failed_value(guard: str) -> Any:
+    """The value now held by what `guard` reads (its first `L[...]`/`G[...]` subject),
+    read from the frame Dynamo is compiling; raises LookupError where it cannot."""
+    expression = re.sub(r"^(___check_\w+|id|len|type)\(", "", guard.split("#")[0].strip())
+    match = _SUBJECT.match(expression)
+    if match is None:
+        raise LookupError("the guard reads no local or global")
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        scope = {**tx.f_globals, **tx.f_locals, "L": tx.f_locals, "G": tx.f_globals}
+    except Exception as error:  # noqa: BLE001
+        raise LookupError(f"Dynamo's frame is not reachable ({type(error).__name__})") from None
+    try:
+        return eval(match.group(0), {"__builtins__": {}}, scope)  # noqa: S307 - Dynamo's own guard text
+    except Exception as error:  # noqa: BLE001
+        raise LookupError(f"{match.group(0)} could not be read ({type(error).__name__})") from None
+
+
+def backend_error(error: BaseException) -> BaseException | None:
+    """The exception a backend raised, where Dynamo wrapped it (BackendCompilerFailed)."""
+    inner = getattr(error, "inner_exception", None)
+    return inner if isinstance(inner, BaseException) else None
