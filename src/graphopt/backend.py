@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx
 
-from . import _compat, cache, modes, recompiles
+from . import _compat, cache, executors, modes, recompiles
 from ._compat import autotune
 from ._compat import cache as compat_cache
 from ._compat import traces as compat_traces
@@ -82,7 +82,6 @@ class Backend:
         self.pad_values = dict(pad_values or {})
         self.graph_modules: list[torch.fx.GraphModule] = []
         self.repackables: list[Repackable] = []
-        self.executors: list[Any] = []  # graphs an engine runs (executors.py): refresh() exports them again
         self.callers: set[int] = set()  # threads that called a GraphRunner of this Backend
         # Set once Dynamo hands over a graph with a symbolic size: from then on a new
         # batch size finds that graph, so callers can stop marking dynamic dims.
@@ -116,8 +115,6 @@ class Backend:
 
         for repackable in self.repackables:
             repackable.repack()
-        for executor in self.executors:
-            executor.refresh()
         return sum(refresh_folded_constants(gm) for gm in self.graph_modules)
 
     def capture_calls(self) -> contextlib.AbstractContextManager:
@@ -152,17 +149,11 @@ class Backend:
         """What Dynamo runs for `gm`, and how a later process builds it again from
         the compile cache (a GraphSpec), or why it cannot."""
         runtime, spec = self._compile_runtime(gm, example_inputs)
-        if not self.config.executors or self._level(device_type(example_inputs)) == 0:
-            return runtime, spec
-        from . import executors
+        if self.config.executors and self._level(device_type(example_inputs)):  # an engine may run it instead
+            runtime = executors.choose(gm, example_inputs, runtime, self.config, self._report, self.repackables)
+        return runtime, spec
 
-        chosen = executors.choose(gm, example_inputs, runtime, self.config, self._report)
-        if chosen is not runtime:
-            self.executors.append(chosen)
-        return chosen, spec
-
-    def _compile_runtime(self, gm: torch.fx.GraphModule,
-                         example_inputs: Sequence[Any]) -> tuple[Callable, GraphSpec | str]:
+    def _compile_runtime(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Callable, Any]:
         self.compiled_dynamic |= any(isinstance(x, torch.SymInt) for x in example_inputs)
         if _compat.is_recompile():
             self._report.recompiles += 1

@@ -45,8 +45,9 @@ _ROUND_SECONDS, _ROUNDS = 0.02, 9
 
 
 def choose(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], runtime: Callable,
-           config: GraphOptimizationConfig, report: Report) -> Callable:
-    """`runtime` for a graph that cannot leave torch, else a Choice that picks at its first call."""
+           config: GraphOptimizationConfig, report: Report, repackables: list) -> Callable:
+    """`runtime` for a graph that cannot leave torch, else a Choice that picks at its first
+    call (added to `repackables`: refresh() has it export the weights again)."""
     record: dict[str, Any] = {"graph": max(len(report.graphs) - 1, 0), "executor": "graphopt", "seconds": {}}
     report.executors.append(record)
     devices = {x.device.type for x in example_inputs if isinstance(x, torch.Tensor)}
@@ -61,7 +62,9 @@ def choose(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], runtime: Cal
         record["reason"] = why
         return runtime
     record["reason"] = "not run yet: it is chosen at the first call"
-    return Choice(bound, runtime, config.executors, report, record)
+    choice = Choice(bound, runtime, config.executors, report, record)
+    repackables.append(choice)
+    return choice
 
 
 class Choice:
@@ -96,8 +99,8 @@ class Choice:
         self.engine = candidates[best] if best != "graphopt" else None
         return self.run(*args)
 
-    def refresh(self) -> None:
-        """After an in-place weight update: the engine's initializers are copies, so export again."""
+    def repack(self) -> None:
+        """refresh(): the engine's initializers are copies of the weights, so export again."""
         if self.engine is not None:
             self.engine.refresh()
 
