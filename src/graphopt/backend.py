@@ -28,7 +28,8 @@ from ._compat import cache as compat_cache
 from ._compat import traces as compat_traces
 from ._compat.names import RECOMPILE_LIMIT
 from .backend_cache import BackendCache, GraphSpec, NotStorable, device_type
-from .config import WEIGHT_COPYING_INDUCTOR_OPTIONS, GraphOptimizationConfig
+from .config import GraphOptimizationConfig
+from .config_checks import WEIGHT_COPYING_INDUCTOR_OPTIONS
 from .lowering import lower_to_bindings
 from .passes.manager import PassManager, check_pass_names
 from .repack import Repackable

@@ -21,7 +21,9 @@ from typing import Any, Final
 
 import torch
 
-from ._compat.names import INDUCTOR_OPTIONS
+from .config_checks import (aten_op_names, capture_sizes, check_bool, check_budget, check_choice,
+                            check_dump_dir, check_int, describe, executors, inductor_compile_config,
+                            op_names, pass_names)
 
 # Tolerances for comparing an optimized graph's outputs with eager's, by dtype: (atol, rtol).
 TOLERANCES: Final[dict[torch.dtype, tuple[float, float]]] = {
@@ -35,7 +37,7 @@ TOLERANCES: Final[dict[torch.dtype, tuple[float, float]]] = {
 def tolerance(dtype: torch.dtype) -> tuple[float, float]:
     """(atol, rtol) for comparing outputs of ``dtype``; integer and bool outputs must match exactly."""
     if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"tolerance() expects a torch.dtype, got {_describe(dtype)}")
+        raise TypeError(f"tolerance() expects a torch.dtype, got {describe(dtype)}")
     if dtype.is_complex:
         dtype = dtype.to_real()
     if not dtype.is_floating_point:
@@ -68,7 +70,7 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
 
     ``max_num_seqs`` itself is always captured, so the largest batch never runs without a graph.
     """
-    _check_int("max_num_seqs", max_num_seqs, minimum=1)
+    check_int("max_num_seqs", max_num_seqs, minimum=1)
     candidates = (
         [1, 2, 4]
         + [8 * i for i in range(1, 17)]  # 8 .. 128
@@ -129,31 +131,31 @@ class GraphOptimizationConfig:
     executors: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        _check_int("graph_opt_level", self.graph_opt_level, choices=GRAPH_OPT_LEVELS)
-        _check_bool("use_cudagraph", self.use_cudagraph)
+        check_int("graph_opt_level", self.graph_opt_level, choices=GRAPH_OPT_LEVELS)
+        check_bool("use_cudagraph", self.use_cudagraph)
         # max_num_seqs is checked first because the default sizes are derived from it.
-        _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
+        check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         if self.cudagraph_capture_sizes is None:
             self.cudagraph_capture_sizes = default_capture_sizes(self.max_num_seqs)
         elif self.cudagraph_capture_sizes != AUTO_CAPTURE_SIZES:
-            self.cudagraph_capture_sizes = _capture_sizes(self.cudagraph_capture_sizes)
-        _check_int("capture_replan_interval", self.capture_replan_interval, minimum=1)
-        _check_budget(self.graph_memory_budget)
-        _check_choice("on_recompile", self.on_recompile, ON_RECOMPILE)
-        _check_int("cudagraph_num_of_warmups", self.cudagraph_num_of_warmups, minimum=0)
-        _check_choice("cudagraph_mode", self.cudagraph_mode, CUDAGRAPH_MODES, optional=True)
-        self.cudagraph_splitting_ops = _aten_op_names(self.cudagraph_splitting_ops)
-        self.rowwise_ops = _op_names("rowwise_ops", self.rowwise_ops)
-        _check_choice("capture_error_mode", self.capture_error_mode, CAPTURE_ERROR_MODES)
+            self.cudagraph_capture_sizes = capture_sizes(self.cudagraph_capture_sizes)
+        check_int("capture_replan_interval", self.capture_replan_interval, minimum=1)
+        check_budget(self.graph_memory_budget)
+        check_choice("on_recompile", self.on_recompile, ON_RECOMPILE)
+        check_int("cudagraph_num_of_warmups", self.cudagraph_num_of_warmups, minimum=0)
+        check_choice("cudagraph_mode", self.cudagraph_mode, CUDAGRAPH_MODES, optional=True)
+        self.cudagraph_splitting_ops = aten_op_names(self.cudagraph_splitting_ops)
+        self.rowwise_ops = op_names("rowwise_ops", self.rowwise_ops)
+        check_choice("capture_error_mode", self.capture_error_mode, CAPTURE_ERROR_MODES)
         for key in ("reuse_pool_in_same_graph", "clone_input", "clone_output", "freeze_parameters", "cache_traces"):
-            _check_bool(key, getattr(self, key))
-        self.disabled_passes = _pass_names(self.disabled_passes)
-        _check_dump_dir(self.debug_dump_dir)
-        _check_bool("verify", self.verify)
+            check_bool(key, getattr(self, key))
+        self.disabled_passes = pass_names(self.disabled_passes)
+        check_dump_dir(self.debug_dump_dir)
+        check_bool("verify", self.verify)
         self.cache_dir = _cache_dir(self.cache_dir)
-        self.inductor_compile_config = _inductor_compile_config(self.inductor_compile_config,
+        self.inductor_compile_config = inductor_compile_config(self.inductor_compile_config,
                                                                 self.freeze_parameters)
-        self.executors = _executors(self.executors, self.freeze_parameters)
+        self.executors = executors(self.executors, self.freeze_parameters)
 
     @property
     def auto_capture_sizes(self) -> bool:
@@ -204,7 +206,7 @@ class GraphOptimizationConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> GraphOptimizationConfig:
         if not isinstance(d, Mapping):
-            raise TypeError(f"graph optimization config must be a mapping of keys to values, got {_describe(d)}")
+            raise TypeError(f"graph optimization config must be a mapping of keys to values, got {describe(d)}")
         _check_keys(d, _KEYS)
         return cls(**d)
 
@@ -212,7 +214,7 @@ class GraphOptimizationConfig:
     def from_json(cls, text: str) -> GraphOptimizationConfig:
         """Parse the command-line form, e.g. ``'{"graph_opt_level": 1, "cudagraph_capture_sizes": [1, 3]}'``."""
         if not isinstance(text, str):
-            raise TypeError(f"graph optimization config JSON must be a str, got {_describe(text)}")
+            raise TypeError(f"graph optimization config JSON must be a str, got {describe(text)}")
         try:
             data = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
         except json.JSONDecodeError as e:
@@ -235,177 +237,19 @@ class GraphOptimizationConfig:
 _KEYS: Final = tuple(f.name for f in dataclasses.fields(GraphOptimizationConfig))
 
 
-def _describe(value: object) -> str:
-    return f"{value!r} ({type(value).__name__})"
-
-
-def _check_int(key: str, value: object, *, minimum: int | None = None, choices: tuple[int, ...] = ()) -> None:
-    accepted = f"an int in {{{', '.join(map(str, choices))}}}" if choices else f"an int >= {minimum}"
-    # bool is a subclass of int, but True is never a meaningful level or count.
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{key} must be {accepted}, got {_describe(value)}")
-    if (choices and value not in choices) or (minimum is not None and value < minimum):
-        raise ValueError(f"{key} must be {accepted}, got {value}")
-
-
-def _check_bool(key: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{key} must be a bool (true/false), got {_describe(value)}")
-
-
-def _check_choice(key: str, value: object, choices: tuple[str, ...], optional: bool = False) -> None:
-    accepted = "one of " + ", ".join(repr(c) for c in choices) + (" or null" if optional else "")
-    if optional and value is None:
-        return
-    if not isinstance(value, str):
-        raise TypeError(f"{key} must be {accepted}, got {_describe(value)}")
-    if value not in choices:
-        raise ValueError(f"{key} must be {accepted}, got {value!r}")
-
-
-def _aten_op_names(value: object) -> list[str]:
-    accepted = ('cudagraph_splitting_ops must be a list of ATen op names such as "aten.index_put_" '
-                'or "aten.index_put_.default"')
-    if not isinstance(value, (list, tuple)):
-        raise TypeError(f"{accepted}, got {_describe(value)}")
-    for i, name in enumerate(value):
-        if not isinstance(name, str):
-            raise TypeError(f"{accepted}, got {_describe(name)} at index {i}")
-        parts = name.split(".")
-        packet = getattr(torch.ops.aten, parts[1], None) if len(parts) in (2, 3) and parts[0] == "aten" else None
-        if packet is None or (len(parts) == 3 and parts[2] not in packet.overloads()):
-            raise ValueError(f"{accepted}; {name!r} at index {i} is not an ATen op")
-    return list(value)
-
-
-def _op_names(key: str, value: object) -> list[str]:
-    """Op names as "namespace.name" (an overload may follow: "mylib.op.default"); "::" is accepted."""
-    accepted = f'{key} must be a list of op names such as "mylib::my_op" or "mylib.my_op"'
-    if not isinstance(value, (list, tuple)):
-        raise TypeError(f"{accepted}, got {_describe(value)}")
-    names = []
-    for i, name in enumerate(value):
-        if not isinstance(name, str):
-            raise TypeError(f"{accepted}, got {_describe(name)} at index {i}")
-        dotted = name.replace("::", ".")
-        if not 2 <= len(dotted.split(".")) <= 3 or not all(part.isidentifier() for part in dotted.split(".")):
-            raise ValueError(f"{accepted}; {name!r} at index {i} is not one")
-        names.append(dotted)
-    return names
-
-
-def _capture_sizes(value: object) -> list[int]:
-    accepted = ('cudagraph_capture_sizes must be a non-empty list of ints >= 1, "auto" (chosen from '
-                'traffic) or null for the defaults')
-    if not isinstance(value, (list, tuple)):
-        raise TypeError(f"{accepted}, got {_describe(value)}")
-    if not value:
-        raise ValueError(f"{accepted}, got an empty list")
-    for i, size in enumerate(value):
-        if not isinstance(size, int) or isinstance(size, bool):
-            raise TypeError(f"{accepted}, got {_describe(size)} at index {i}")
-        if size < 1:
-            raise ValueError(f"{accepted}, got {size} at index {i}")
-    return sorted(set(value))
-
-
-def _check_budget(value: object) -> None:
-    accepted = "graph_memory_budget must be an int number of bytes >= 0, or null for no limit"
-    if value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{accepted}, got {_describe(value)}")
-    if value < 0:
-        raise ValueError(f"{accepted}, got {value}")
-
-
-def _pass_names(value: object) -> list[str]:
-    accepted = 'disabled_passes must be a list of pass names (non-empty strings, "*" for all)'
-    if not isinstance(value, (list, tuple)):
-        raise TypeError(f"{accepted}, got {_describe(value)}")
-    for i, name in enumerate(value):
-        if not isinstance(name, str):
-            raise TypeError(f"{accepted}, got {_describe(name)} at index {i}")
-        if not name:
-            raise ValueError(f"{accepted}, got an empty string at index {i}")
-    return list(value)
-
-
-def _check_dump_dir(value: object) -> None:
-    accepted = "debug_dump_dir must be a non-empty str (a directory path) or null"
-    if value is not None and not isinstance(value, str):
-        raise TypeError(f"{accepted}, got {_describe(value)}")
-    if value == "":
-        raise ValueError(f"{accepted}, got an empty string")
-
-
 def _cache_dir(value: object) -> str | None:
     accepted = ("cache_dir must be a directory path (str or os.PathLike) or null to switch the "
                 f"compile cache off (${CACHE_DIR_ENV}='' does the same for the default)")
     if value is None:
         return None
     if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"{accepted}, got {_describe(value)}")
+        raise TypeError(f"{accepted}, got {describe(value)}")
     path = os.fspath(value)
     if path == "":
         raise ValueError(f"{accepted}, got an empty string")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{accepted}, got {path!r}, which is a file")
     return path
-
-
-# Inductor options graphopt decides itself: its runtime owns device graphs, and its
-# compile cache decides when Inductor's FX graph cache may answer.
-RESERVED_INDUCTOR_OPTIONS: Final = ("triton.cudagraphs", "fx_graph_cache", "post_grad_custom_post_pass")
-# Inductor options whose compiled code holds copies of the weights, taken at compile time.
-WEIGHT_COPYING_INDUCTOR_OPTIONS: Final = ("freezing", "max_autotune", "max_autotune_gemm")
-
-
-def _inductor_compile_config(value: object, freeze_parameters: bool) -> dict[str, Any]:
-    accepted = ('inductor_compile_config must be a mapping of Inductor option names to numbers, strings, '
-                'booleans or null, e.g. {"max_autotune": true}')
-    if not isinstance(value, Mapping):
-        raise TypeError(f"{accepted}, got {_describe(value)}")
-    if not value:
-        return {}
-    from . import _compat
-
-    known = _compat.inductor_option_names()
-    for key, option in value.items():
-        if not isinstance(key, str) or key not in known:
-            close = difflib.get_close_matches(key, known, n=1) if isinstance(key, str) else []
-            hint = f"; did you mean {close[0]!r}?" if close else f" ({INDUCTOR_OPTIONS} lists them)"
-            raise ValueError(f"inductor_compile_config: {key!r} is not an Inductor option{hint}")
-        if key in RESERVED_INDUCTOR_OPTIONS:
-            raise ValueError(f"inductor_compile_config: {key!r} is set by graphopt itself (its runtime owns "
-                             "device graphs and its compile cache decides when Inductor's may answer); "
-                             "leave it out")
-        if option is not None and not isinstance(option, (bool, int, float, str)):
-            raise TypeError(f"{accepted}; {key!r} is {_describe(option)}")
-    if value.get("freezing") and not freeze_parameters:
-        raise ValueError("inductor_compile_config: freezing=True bakes the weights into the compiled code, "
-                         "so in-place weight updates would silently not be seen; it needs "
-                         "freeze_parameters=True, which says the weights are constant")
-    return dict(value)
-
-
-EXECUTORS: Final = ("onnxruntime", "openvino")
-
-
-def _executors(value: object, freeze_parameters: bool) -> list[str]:
-    accepted = f'executors must be a list of engine names from {list(EXECUTORS)}, e.g. ["onnxruntime"]'
-    if not isinstance(value, (list, tuple)):
-        raise TypeError(f"{accepted}, got {_describe(value)}")
-    for i, name in enumerate(value):
-        if name not in EXECUTORS:
-            close = difflib.get_close_matches(name, EXECUTORS, n=1) if isinstance(name, str) else []
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"{accepted}; {name!r} at index {i} is not one{hint}")
-    if value and not freeze_parameters:
-        raise ValueError("executors: an engine takes the weights as its own constants, so in-place weight "
-                         "updates would not reach it; it needs freeze_parameters=True (refresh() then "
-                         "exports the weights again)")
-    return list(dict.fromkeys(value))
 
 
 def _check_keys(d: Mapping[Any, Any], accepted: tuple[str, ...]) -> None:

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from ..api import optimize
-from ..config import EXECUTORS, GraphOptimizationConfig
+from ..config import GraphOptimizationConfig
+from ..config_checks import EXECUTORS
 from ..executors import openvino_runner, quiet_export
 from .workloads import Step, Workload
 
