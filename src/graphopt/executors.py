@@ -37,7 +37,7 @@ from . import _compat
 from ._compat.names import TorchDispatchMode
 from .config import GraphOptimizationConfig, tolerance
 from .kernels.collective import is_collective_op
-from .report import Report
+from .report import Report, first_line
 
 # An engine must beat graphopt's median by this much: a tie is not worth leaving torch for.
 MARGIN = 0.95
@@ -236,8 +236,8 @@ def _build(engine: str, bound: _Bound, inputs: list, report: Report) -> Executor
         report.fallback(f"executors: {engine} is not installed ({error.name}; pip install 'graphopt[{engine}]'); "
                         "graphs run on graphopt's compiled code")
     except Exception as error:  # noqa: BLE001 - an export that fails leaves graphopt's graph in place
-        first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
-        report.fallback(f"executors: a graph could not run on {engine} ({type(error).__name__}: {first}); "
+        report.fallback(f"executors: a graph could not run on {engine} ({type(error).__name__}: "
+                        f"{first_line(error)[:300]}); "
                         "it runs on graphopt's compiled code")
     return None
 
@@ -255,23 +255,31 @@ def _session(engine: str, bound: _Bound, inputs: list) -> Callable[[list], list]
 
 
 def _onnxruntime(model: bytes, threads: int) -> Callable[[list], list]:
-    import onnxruntime
-
-    options = onnxruntime.SessionOptions()
-    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.intra_op_num_threads = threads
-    # Spinning idle threads would take the cores from torch's own ops between runs.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = onnxruntime.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    session = onnxruntime_session(model, threads)
     names = [i.name for i in session.get_inputs()]
     return lambda arrays: [torch.from_numpy(o) for o in session.run(None, dict(zip(names, arrays)))]
 
 
-def openvino_runner(model: bytes, threads: int) -> Callable[[list], list]:
-    import openvino
+def onnxruntime_session(model: bytes, threads: int, options: Any = None) -> Any:
+    """An ONNX Runtime CPU session of an ONNX model at ORT_ENABLE_ALL on `threads` threads
+    (on top of `options`, a SessionOptions, when given)."""
+    import onnxruntime
 
+    options = options or onnxruntime.SessionOptions()
+    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = threads
+    # ORT's idle threads spin by default, which takes the cores from torch's own ops
+    # (and from whichever contender runs next in a benchmark's round).
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    return onnxruntime.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def openvino_runner(model: bytes, threads: int) -> Callable[[list], list]:
     """An ONNX model compiled by OpenVINO's CPU plugin, in float32, on `threads` threads:
     numpy arrays in, torch tensors out."""
+    import openvino
+
     core = openvino.Core()
     with tempfile.TemporaryDirectory() as folder:  # OpenVINO reads an ONNX model from a file
         path = os.path.join(folder, "graph.onnx")

@@ -27,6 +27,14 @@ class PassRecord:
                 "counts": dict(self.counts), "seconds": round(self.seconds, 6)}
 
 
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message ("" when it has none): a reason fits on one
+    report line, and many errors (a compiler's, a lint's) go on for pages."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
+
+
 @dataclass
 class GraphRecord:
     """One graph compiled for the model (Dynamo may compile several: graph breaks,
@@ -182,6 +190,10 @@ class Report:
         record = PieceRecord(graph, len(self.pieces[graph]), split_reason)
         self.pieces[graph].append(record)
         return record
+
+    def planned_sizes(self) -> list[int]:
+        """With capture sizes "auto": every size some runner's plan captures."""
+        return sorted({size for plan in self.plans for size in plan.sizes})
 
     @property
     def pool_bytes(self) -> int:

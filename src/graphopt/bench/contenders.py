@@ -16,7 +16,7 @@ import torch
 from ..api import optimize
 from ..config import GraphOptimizationConfig
 from ..config_checks import EXECUTORS
-from ..executors import openvino_runner, quiet_export
+from ..executors import onnxruntime_session, openvino_runner, quiet_export
 from .workloads import Step, Workload
 
 
@@ -111,11 +111,11 @@ def build(contender: Contender, workload: Workload, device: str) -> Step:
         raise Unavailable(f"not exportable: {workload.onnx_unsupported}")
     try:
         import onnx  # noqa: F401  (torch.onnx.export needs it, and onnxscript)
-        import onnxruntime
+        import onnxruntime  # noqa: F401
         import onnxscript  # noqa: F401
     except ImportError as error:
         raise Unavailable(f"{error.name} is not installed (pip install 'graphopt[bench]')") from None
-    return workload.bind(lambda target: OnnxStep(target, onnxruntime))
+    return workload.bind(OnnxStep)
 
 
 def _openvino(workload: Workload, device: str) -> Step:
@@ -139,8 +139,8 @@ class OnnxStep:
     session at ORT_ENABLE_ALL. One export per input shape, made at its first call
     (a warm-up), so every session sees static shapes, which ORT optimizes best."""
 
-    def __init__(self, model: torch.nn.Module, onnxruntime: Any) -> None:
-        self.model, self.ort = model, onnxruntime
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
         self.sessions: dict[tuple, Any] = {}
         self.models: dict[tuple, bytes] = {}  # the exported model per input shape
 
@@ -168,14 +168,7 @@ class OnnxStep:
         return self.models[key]
 
     def _session(self, model: bytes, options: Any = None) -> Any:
-        options = options or self.ort.SessionOptions()
-        options.graph_optimization_level = self.ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.intra_op_num_threads = torch.get_num_threads()  # the same threads as torch's contenders
-        # ORT's idle threads spin by default, which takes the cores from whichever
-        # contender runs next in the round.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        options.add_session_config_entry("session.inter_op.allow_spinning", "0")
-        return self.ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+        return onnxruntime_session(model, torch.get_num_threads(), options)  # torch's contenders' threads
 
 
 class OpenVinoOnnxStep:

@@ -10,6 +10,8 @@ import hashlib
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..report import first_line
+
 
 def build(stem: str, source: Path, extra_cflags: Sequence[str], key: str = "",
           python_module: bool = True) -> tuple[Any, str | None]:
@@ -25,4 +27,4 @@ def build(stem: str, source: Path, extra_cflags: Sequence[str], key: str = "",
                                     is_python_module=python_module)
         return module, None
     except Exception as error:  # noqa: BLE001 - no compiler, no ninja, a header torch moved: the caller falls back
-        return None, str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return None, first_line(error) or type(error).__name__

@@ -32,7 +32,7 @@ import torch.fx
 from .. import _compat
 from .._compat.names import tree_leaves
 from ..config import GraphOptimizationConfig, tolerance
-from ..report import GraphRecord, PassRecord, Report
+from ..report import GraphRecord, PassRecord, Report, first_line
 from .base import PassResult
 from .fusion import fused_op_counts
 from .memory_plan import memory_record
@@ -266,7 +266,7 @@ def _invalid(graph: torch.fx.Graph) -> str | None:
     try:
         graph.lint()
     except RuntimeError as error:
-        return str(error).splitlines()[0]  # lint then prints the whole graph: the dumps have it
+        return first_line(error)  # lint then prints the whole graph: the dumps have it
     for node in graph.nodes:
         for arg in tree_leaves((node.args, node.kwargs)):
             if isinstance(arg, torch.Tensor):

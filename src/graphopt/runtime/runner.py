@@ -60,7 +60,7 @@ class GraphRunner:
             self.planner = Planner(config, record, TrafficStore(config.cache_dir, graph_key, report), padding,
                                    self._pool_bytes_at)
             record.histogram = self.planner.traffic.seen
-            report.capture_sizes = sorted({s for plan in report.plans for s in plan.sizes})
+            report.capture_sizes = report.planned_sizes()
         sizes = self.planner.sizes if self.planner is not None else config.cudagraph_capture_sizes
         if config.auto_capture_sizes and not signature.has_batch:
             sizes = [config.max_num_seqs]  # a graph without a batch has one key whatever the sizes
@@ -136,14 +136,14 @@ class GraphRunner:
                 for piece in self.captured:
                     piece.release(size)
         self.dispatcher = Dispatcher(planner.sizes, self.dispatcher.padding, planned=True)
-        self.report.capture_sizes = sorted({s for plan in self.report.plans for s in plan.sizes})
+        self.report.capture_sizes = self.report.planned_sizes()
 
     def _pool_bytes_at(self, size: int) -> int:
         """What every graph pool would hold with this runner's graphs at `size` captured too."""
         own = {i for piece in self.captured for i in piece.pool_ids()}
         others = self.report.pool_bytes - sum(self.report.pools.get(i, 0) for i in own)
         estimates = [piece.pool_bytes_at(size) for piece in self.captured]
-        shared = self.config.graph_pool is not None or self.config.reuse_pool_in_same_graph
+        shared = any(piece.pool.shared for piece in self.captured)  # the pieces of a runner share one Pool
         return others + (max(estimates, default=0) if shared else sum(estimates))
 
     def _hand_out(self, outputs: Any, batch: int | None, size: int | None, numbers: dict[int, int]) -> Any:
