@@ -92,7 +92,8 @@ def describe_value(value: Any) -> str:
 def tensor_digest(tensor: torch.Tensor) -> str:
     if _compat.is_fake(tensor) or tensor.device.type == "meta":
         return "fake"
-    data = tensor.detach().cpu().contiguous().reshape(-1)
+    with _compat.outside_fake_mode():  # a CUDA tensor's bytes are read on the host
+        data = tensor.detach().cpu().contiguous().reshape(-1)
     return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
@@ -205,7 +206,9 @@ class CompileCache:
 
     def store(self, key: str, payload: Any) -> None:
         try:
-            body = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+            # Outside the compiler's FakeTensorMode: pickling a CUDA tensor copies it to the host.
+            with _compat.outside_fake_mode():
+                body = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as error:  # noqa: BLE001 - an unpicklable argument costs the entry, not the compile
             self.report.fallback(f"cache_dir: a compiled graph could not be serialised ({type(error).__name__}: "
                                  f"{error}); it is compiled again in every process")

@@ -107,12 +107,12 @@ class Choice:
 
 def _not_stateless(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> str | None:
     """Why `gm` cannot leave torch (the first reason), or None."""
-    fake_mode, fakes = _compat.backend_fakes(example_inputs)
+    fake_mode, fakes = _compat.backend_fakes(example_inputs, gm)
     if fake_mode is None:
         return "it was not compiled by torch.compile (no fake mode to inspect it in)"
     watcher = _StateWatcher(fakes)
     try:
-        with fake_mode, watcher:
+        with fake_mode, _compat.symbolic_dispatch(), watcher:
             outputs = gm(*fakes)
     except Exception as error:  # noqa: BLE001 - unknown state: it stays with graphopt
         return f"it could not be run on fake tensors to look for state ({type(error).__name__})"

@@ -57,7 +57,11 @@ def call_like_aot(graph: Callable, output_dims: list) -> Callable:
     """What AOTAutograd's runtime wrapper does for a graph `aot_wrapper_output_dims`
     accepted: call it, return the inputs it returns as themselves, and mark the
     dynamic dims of its other outputs for later frames."""
-    from torch._functorch._aot_autograd.runtime_wrappers import mark_dynamo_propagated_dynamic_indices as mark
+    from torch._functorch._aot_autograd import runtime_wrappers
+
+    # The helper's name up to torch 2.11, and after.
+    mark = getattr(runtime_wrappers, "mark_dynamo_propagated_dynamic_indices", None) or \
+        runtime_wrappers.maybe_mark_dynamic_helper
 
     marked = [(i, set(dims)) for i, dims in enumerate(output_dims) if isinstance(dims, list) and dims]
     inputs = [(i, dims["input"]) for i, dims in enumerate(output_dims) if isinstance(dims, dict)]

@@ -107,10 +107,12 @@ def decoder(sizes: Sizes) -> Workload:
     engine's scheduler produces), and the decode step alone at batch 1 and 16."""
     generator = _manual_seed(0)
     config = sizes.pick(DecoderConfig.tiny(dtype=sizes.dtype), DecoderConfig.small(dtype=sizes.dtype),
-                        DecoderConfig.bench(dtype=sizes.dtype))
-    model = Decoder(config).eval().to(sizes.device)
+                        DecoderConfig.billion(dtype=sizes.dtype))
+    with torch.device(sizes.device):  # 1.1B parameters on a GPU: initialised there, in seconds
+        model = Decoder(config).eval()
     segments, steps = sizes.pick((3, 2), (8, 4), (16, 8))
-    batches = [int(b) for b in torch.randint(1, 17, (segments,), generator=generator)]
+    largest = sizes.pick(16, 16, 32)
+    batches = [int(b) for b in torch.randint(1, largest + 1, (segments,), generator=generator)]
     stream = [(torch.randint(0, config.vocab_size, (steps, b), generator=generator).to(sizes.device),
                torch.arange(b, device=sizes.device)) for b in batches]
 
@@ -126,14 +128,14 @@ def decoder(sizes: Sizes) -> Workload:
     cases = [Case(f"stream of batches {','.join(map(str, batches))} x {steps} steps", stream, run_stream,
                   sum(batches) * steps, "tokens")]
     linears = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
-    for batch in (1, 16):
+    for batch in sizes.pick((1, 16), (1, 16), (1, 8, 32)):
         inputs = (torch.randint(0, config.vocab_size, (batch,), generator=generator).to(sizes.device),
                   torch.full((batch,), 7, device=sizes.device), torch.arange(batch, device=sizes.device))
         cases.append(Case(f"decode step, batch {batch}", inputs, _call, batch, "tokens",
                           gemm_weights=linears, gemm_batch=batch))
     title = (f"reference decoder: hidden {config.hidden_size}, {config.num_layers} layers, "
              f"{config.num_heads}/{config.num_kv_heads} heads, vocab {config.vocab_size}, {config.dtype}")
-    return Workload("decoder", title, model, cases, capture_sizes=[1, 2, 4, 8, 16],
+    return Workload("decoder", title, model, cases, capture_sizes=sizes.pick([1, 2, 4, 8, 16], [1, 2, 4, 8, 16], [1, 2, 4, 8, 16, 24, 32]),
                     pad_values={"slots": model.scratch_slot},
                     onnx_unsupported="its step writes the KV cache buffers in place, and an exported "
                                      "ONNX graph keeps no state between runs")

@@ -78,6 +78,14 @@ class DecoderConfig:
                       num_heads=12, num_kv_heads=4, max_seq_len=1024, max_num_seqs=64)
         return cls(**{**fields, **overrides})
 
+    @classmethod
+    def billion(cls, **overrides) -> DecoderConfig:
+        """About 1.1B parameters (TinyLlama's shape: 22 layers, hidden 2048, 32/4
+        heads): the GPU benchmarks' decoder, 2.2 GB of weights in bfloat16."""
+        fields = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=22,
+                      num_heads=32, num_kv_heads=4, max_seq_len=512, max_num_seqs=256)
+        return cls(**{**fields, **overrides})
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:

@@ -75,6 +75,10 @@ class Pool:
             return None
         if self.handle is None:
             self.handle = graph_pool_handle(device)
+        elif device.type == "cuda" and isinstance(self.handle, tuple):
+            from .cuda_graph import CudaPool
+
+            self.handle = CudaPool(device, self.handle)  # torch.cuda.graph_pool_handle()'s, held open
         return self.handle
 
 

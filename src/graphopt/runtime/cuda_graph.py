@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -29,6 +30,45 @@ def on_capture_stream(device: torch.device) -> Iterator[torch.cuda.Stream]:
     torch.cuda.current_stream(device).wait_stream(stream)
 
 
+class CudaPool:
+    """A graph pool that lives as long as this object: `id` is the pool's handle,
+    and `anchor`, an empty graph captured into it, holds it open. A pool is freed
+    when its last graph is reset, and capturing into its handle again then fails an
+    allocator assertion (torch 2.11: in the device allocator and in the pinned host
+    allocator); graphopt resets and captures a pool's graphs again (recapture,
+    capture sizes "auto", a refused capture)."""
+
+    def __init__(self, device: torch.device, handle: Any = None):
+        self.device = device
+        self.id = handle if handle is not None else torch.cuda.graph_pool_handle()
+        self.anchor = torch.cuda.CUDAGraph()
+        with on_capture_stream(device):
+            self.anchor.capture_begin(pool=self.id)
+            self.anchor.capture_end()
+
+
+_primed = threading.local()
+
+
+def prime_libraries(device: torch.device) -> None:
+    """cuBLAS and cuBLASLt make their handle and workspace at a thread's first GEMM
+    on a stream, and making them inside a capture fails
+    (CUBLAS_STATUS_NOT_INITIALIZED). A small GEMM of each kind on the capture
+    stream, once per thread and device, makes them before any capture begins."""
+    done = _primed.__dict__.setdefault("devices", set())
+    if device in done:
+        return
+    dtypes = [torch.float32, torch.float16] + [torch.bfloat16] * torch.cuda.is_bf16_supported()
+    with on_capture_stream(device):
+        for dtype in dtypes:
+            x = torch.ones(16, 16, device=device, dtype=dtype)
+            torch.addmm(x[0], x, x)
+            torch.mm(x, x)
+            torch.bmm(x[None], x[None])
+    torch.cuda.synchronize(device)
+    done.add(device)
+
+
 class CudaGraph:
     executes_during_capture = False  # a stream capture records without running
     rebinds = False  # a graph's kernels hold its inputs' addresses
@@ -43,6 +83,7 @@ class CudaGraph:
         self._context: contextlib.ExitStack | None = None
 
     def capture_begin(self) -> None:
+        prime_libraries(self.device)
         torch.cuda.synchronize(self.device)
         context = contextlib.ExitStack()
         context.enter_context(on_capture_stream(self.device))
@@ -51,7 +92,7 @@ class CudaGraph:
         self._allocated = torch.cuda.memory_allocated(self.device)
         self._reserved = _reserved(self.device)
         try:
-            self.graph.capture_begin(pool=self.pool, capture_error_mode=self.mode)
+            self.graph.capture_begin(pool=pool_id(self.pool), capture_error_mode=self.mode)
         except BaseException:
             self._close()
             raise
@@ -92,6 +133,11 @@ class CudaGraph:
     def reset(self) -> None:
         self.graph.reset()
         self.nbytes = self.pool_growth = 0
+
+
+def pool_id(pool: Any) -> Any:
+    """The handle of a CudaPool, or of a bare `torch.cuda.graph_pool_handle()`."""
+    return pool.id if isinstance(pool, CudaPool) else pool
 
 
 def _reserved(device: torch.device) -> int:

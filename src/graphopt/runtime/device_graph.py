@@ -22,10 +22,13 @@ def default_place() -> torch.device:
 
 
 def graph_pool_handle(place: torch.device | str | None = None) -> Any:
-    """A memory pool that device graphs on `place` can share (pool mode 1)."""
+    """A memory pool that device graphs on `place` can share (pool mode 1), alive
+    while this object is."""
     device = torch.device(place) if place is not None else default_place()
     if device.type == "cuda":
-        return torch.cuda.graph_pool_handle()
+        from .cuda_graph import CudaPool
+
+        return CudaPool(device)
     from .host_graph import HostPool
 
     return HostPool()

@@ -40,13 +40,13 @@ class GraphFindings:
 
 def fake_run(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], splitting_ops: Iterable[str],
              batches: Iterable[tuple] = (), rowwise_ops: Iterable[str] = ()) -> GraphFindings:
-    fake_mode, fakes = _compat.backend_fakes(example_inputs)
+    fake_mode, fakes = _compat.backend_fakes(example_inputs, gm)
     if fake_mode is None:
         raise RuntimeError("graphopt's runtime needs the fake mode Dynamo compiles in; "
                            "call the Backend from torch.compile")
     rows = [BatchRows(symbols, fakes, set(rowwise_ops)) for symbols in batches]
     watcher = _OpWatcher(set(splitting_ops), fakes, rows)
-    with fake_mode, watcher:
+    with fake_mode, _compat.symbolic_dispatch(), watcher:
         outputs = _NodeInterpreter(gm, watcher).run(*fakes)
     for state in rows:
         if state.why is None:

@@ -1,0 +1,94 @@
+"""Capture cost on a GPU: 35 capture sizes of a ~1.1B-parameter decoder in bfloat16.
+
+Compiles the decode step once, then `capture_all()` captures every size into one
+graph pool (largest first, so the smaller graphs reuse its blocks), and prints:
+seconds to capture all sizes, the pool's bytes against a pool holding the largest
+graph alone (a fresh process), and each size's logits against eager's, at the
+capture sizes and at padded sizes between them.
+
+    python benchmarks/cuda_capture.py --level 1          # vLLM's 35 sizes: 1, 2, 4, 8 ... 256
+    python benchmarks/cuda_capture.py --level 2 --json out.json
+    python benchmarks/cuda_capture.py --largest-only     # the single-graph pool, for the ratio
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+import graphopt
+from graphopt.models import Decoder, DecoderConfig
+
+SIZES = [1, 2, 4] + list(range(8, 257, 8))  # vLLM's default capture sizes: 35 of them
+PADDED = [3, 5, 13, 100, 250]
+
+
+def build(config_name: str) -> tuple[Decoder, DecoderConfig]:
+    torch.manual_seed(0)
+    config = getattr(DecoderConfig, config_name)(dtype=torch.bfloat16)
+    with torch.device("cuda"):
+        model = Decoder(config).eval()
+    return model, config
+
+
+def inputs(config: DecoderConfig, batch: int) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(batch)
+    ids = torch.randint(0, config.vocab_size, (batch,), generator=generator)
+    return ids.cuda(), torch.full((batch,), 7, device="cuda"), torch.arange(batch, device="cuda")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--level", type=int, default=1, choices=[0, 1, 2])
+    parser.add_argument("--config", default="billion", choices=["tiny", "small", "bench", "billion"])
+    parser.add_argument("--largest-only", action="store_true", help="capture the largest size alone")
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("cuda_capture.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    model, config = build(args.config)
+    sizes = SIZES[-1:] if args.largest_only else SIZES
+    options = graphopt.GraphOptimizationConfig(graph_opt_level=args.level, use_cudagraph=True,
+                                               cudagraph_capture_sizes=sizes, max_num_seqs=max(SIZES))
+    start = time.perf_counter()
+    opt = graphopt.optimize(model, options, pad_values={"slots": model.scratch_slot})
+    with torch.no_grad():
+        opt(*inputs(config, 8))  # the compile
+    torch.cuda.synchronize()
+    compiled = time.perf_counter()
+    opt.capture_all(*inputs(config, 8))
+    torch.cuda.synchronize()
+    captured = time.perf_counter()
+    report = opt.report()
+    worst, agree, checked = 0.0, 0, 0
+    for batch in ([] if args.largest_only else sorted(set(SIZES[:6] + SIZES[-2:] + PADDED))):
+        step = inputs(config, batch)
+        with torch.no_grad():
+            expected = model(*step).float()
+        got = opt(*step).float()
+        worst = max(worst, (got - expected).abs().max().item())
+        agree += int((got.argmax(-1) == expected.argmax(-1)).sum())
+        checked += batch
+    figures = {
+        "level": args.level, "config": args.config, "sizes": len(sizes), "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "compile_s": round(compiled - start, 2),
+        "capture_all_s": round(captured - compiled, 2), "captures": len(report.captures),
+        "pool_mib": round(report.pool_bytes / 2**20, 1),
+        "largest_graph_mib": round(max((c.nbytes for c in report.captures), default=0) / 2**20, 1),
+        "max_abs_logit_diff": round(worst, 4), "argmax_agree": f"{agree}/{checked}",
+        "fallbacks": report.fallbacks,
+    }
+    print(json.dumps(figures, indent=1))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(figures, out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
