@@ -78,6 +78,7 @@ class StoredTraces:
         self.cache = cache.CompileCache(backend.config.cache_dir, backend.report())
         self.key = cache.cache_key("stored traces", identity_of_step, _qualified(self.function))
         self.globals = self.function.__globals__  # a decorator's wrapper: its own module's, not __module__'s
+        self.frame = compat.frame_binder(self.function)  # every trace's guards read the same locals
         self.traces: list[_Trace] | None = None     # read from the cache on the first call
         self.untraceable: str | None = compat.unsupported() or (
             None if traced else "its module's call is more than its forward method")
@@ -117,7 +118,7 @@ class StoredTraces:
                 continue
             if trace.traced is None and not self._load(trace):
                 continue
-            frame = frame or compat.frame_locals(trace.traced, full, kwargs)
+            frame = frame or self.frame(full, kwargs)
             if self._fits(trace, frame):
                 return trace
         return None
