@@ -252,14 +252,17 @@ class Backend:
 
     def _compile_level1(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], record: GraphRecord,
                         real_inputs: list, kinds: list[str], key: str | None) -> Callable:
-        """Level 1: AOTAutograd, the passes, lowering. A cache hit skips the passes and,
-        where AOTAutograd's runtime wrapper would only call the graph, AOTAutograd too."""
+        """Level 1: AOTAutograd, the passes, lowering. Where AOTAutograd's runtime
+        wrapper would only call the graph, the graph runs without it (a cache hit
+        then skips AOTAutograd too); a cache hit skips the passes."""
         stored = self.cache.load(key)
         if stored is not None and stored["direct"] is not None:
             self._restore(stored, record)
             return compat_cache.call_like_aot(cache.load_graph(stored["lowered"]), stored["direct"])
         inference = not (torch.is_grad_enabled() and any(
             isinstance(x, torch.Tensor) and x.requires_grad for x in real_inputs))
+
+        direct: list[Callable] = []
 
         def fw_compiler(aot_gm: torch.fx.GraphModule, _fake_inputs: list) -> Callable:
             if stored is not None:
@@ -268,11 +271,14 @@ class Backend:
             records = self._optimize(aot_gm, record, real_inputs, kinds)
             lowered = lower_to_bindings(aot_gm)
             graph_inputs = len(aot_gm.graph.find_nodes(op="placeholder"))
-            direct = compat_cache.aot_wrapper_output_dims(graph_inputs, len(example_inputs), inference)
-            self.cache.store(key, {**records, "direct": direct}, aot_gm, lowered)
+            dims = compat_cache.aot_wrapper_output_dims(graph_inputs, len(example_inputs), inference)
+            self.cache.store(key, {**records, "direct": dims}, aot_gm, lowered)
+            if dims is not None:
+                direct.append(compat_cache.call_like_aot(lowered, dims))
             return _compat.boxed(lowered)
 
-        return _compat.aot_inference(gm, example_inputs, fw_compiler)
+        compiled = _compat.aot_inference(gm, example_inputs, fw_compiler)
+        return direct[0] if direct else compiled
 
     def _compile_inductor(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], record: GraphRecord,
                           real_inputs: list, kinds: list[str], key: str | None) -> Callable:
