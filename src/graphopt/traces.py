@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from . import _compat, cache
+from . import cache
+from ._compat import recompile as compat_recompile
 from ._compat import traces as compat
 from .backend import Backend
 
@@ -180,8 +181,8 @@ class StoredTraces:
         its graph, store the trace; None (logged) where the step cannot be traced as
         one graph."""
         report = self.backend.report()
-        if self.untraceable is None and sum(t.bound for t in self.traces) >= _compat.recompile_limit():
-            self._give_up(f"it has {_compat.recompile_limit()} traces, Dynamo's recompile_limit")
+        if self.untraceable is None and sum(t.bound for t in self.traces) >= compat_recompile.recompile_limit():
+            self._give_up(f"it has {compat_recompile.recompile_limit()} traces, Dynamo's recompile_limit")
         if self.untraceable is not None:
             return None
         self.mark(args, kwargs)  # other dims become dynamic as Dynamo's automatic dynamic shapes decide
@@ -222,7 +223,7 @@ class StoredTraces:
                 self.cache.store(self.key, {"traces": [], "unstorable": _why(error)})
             return
         kept = [t.stored() for t in self.traces if t.data is not None and t.refused is None]
-        self.cache.store(self.key, {"traces": kept[-_compat.recompile_limit():], "unstorable": None})
+        self.cache.store(self.key, {"traces": kept[-compat_recompile.recompile_limit():], "unstorable": None})
         self.backend.report().traces_stored += 1
 
     def _give_up(self, reason: str) -> None:
