@@ -2,11 +2,14 @@
 
 A tiny step (`x * 2 + 1` on an [n, 8] tensor: a few microseconds of work) called
 through each way in, in interleaved rounds, best round per variant, µs per call:
-eager, `torch.compile` (default, and `mode="reduce-overhead"`, which on the CPU adds
-nothing), and graphopt's `optimize()` at levels 1 and 2, without device graphs and
-with host graphs (level 1), with and without the compile cache (stored traces run
-the step without Dynamo's own dispatch). Each variant's overhead is its time minus
-eager's; the last column is that overhead against `torch.compile`'s.
+eager, `torch.compile` (default, `mode="reduce-overhead"`, which on the CPU adds
+nothing, and `dynamic=True`: graphopt marks the batch dynamic from the first call,
+where torch.compile's default specialises on it until a second size comes), and
+graphopt's `optimize()` at levels 1 and 2, without device graphs and with host
+graphs (level 1), with and without the compile cache (stored traces run the step
+without Dynamo's own dispatch; level 1 with host graphs and the cache is
+graphopt's default config). Each variant's overhead is its time minus eager's;
+the last column is that overhead against `torch.compile`'s.
 
     python benchmarks/step_overhead.py
     python benchmarks/step_overhead.py --rows 1 --rounds 30
@@ -42,10 +45,13 @@ def variants(cache_dir: str) -> dict[str, Callable]:
         "eager": Tiny(),
         "torch.compile": torch.compile(Tiny()),
         "torch.compile reduce-overhead": torch.compile(Tiny(), mode="reduce-overhead"),
+        "torch.compile dynamic=True": torch.compile(Tiny(), dynamic=True),
         "graphopt L1": opt(1, False, False),
         "graphopt L1, stored traces": opt(1, False, True),
         "graphopt L1 + host graphs": opt(1, True, False),
+        "graphopt L1 + host graphs, stored traces": opt(1, True, True),
         "graphopt L2": opt(2, False, False),
+        "graphopt L2, stored traces": opt(2, False, True),
     }
 
 

@@ -8,7 +8,6 @@ import torch
 import torch._dynamo
 
 import graphopt
-from graphopt import _compat
 from graphopt.config import tolerance
 from graphopt.models import Decoder, DecoderConfig
 from support import decode_inputs
@@ -190,12 +189,13 @@ def test_a_backend_gives_its_recompile_budget_back_when_it_goes():
     lives (its graphs count against that limit) and lowers it again when it is gone."""
     import gc
 
+    from graphopt._compat.recompile import recompile_limit
     from graphopt.backend import RECOMPILE_BUDGET
 
     gc.collect()  # Backends of earlier tests that are already garbage give their share back first
-    before = _compat.recompile_limit()
+    before = recompile_limit()
     backend = graphopt.Backend(graphopt.GraphOptimizationConfig(graph_opt_level=1))
-    assert _compat.recompile_limit() == before + RECOMPILE_BUDGET
+    assert recompile_limit() == before + RECOMPILE_BUDGET
     del backend
     gc.collect()
-    assert _compat.recompile_limit() == before
+    assert recompile_limit() == before

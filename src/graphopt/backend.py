@@ -8,7 +8,8 @@ For each graph Dynamo hands it:
 Level 1 runs the rewritten functional ATen graph as FX code. Level 2 hands the
 Dynamo graph to Inductor with graphopt's pipeline installed as Inductor's post-grad
 custom pass. With device graphs on, what goes back to Dynamo is the runtime
-wrapping the compiled graph, so Dynamo's guards run before every replay.
+wrapping the compiled graph (`backend_runtime.py`), so Dynamo's guards run before
+every replay.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.fx
 from . import _compat, cache, executors, modes, recompiles
 from ._compat import autotune
 from ._compat import cache as compat_cache
+from ._compat import recompile as compat_recompile
 from ._compat import traces as compat_traces
 from ._compat.names import RECOMPILE_LIMIT
 from .backend_cache import BackendCache, GraphSpec, NotStorable, device_type
@@ -89,10 +91,10 @@ class Backend:
         self.compiled_dynamic = False
         self._levels: dict[str, int] = {}
         self._configure(mode)
-        _compat.allow_recompiles(RECOMPILE_BUDGET)
+        compat_recompile.allow_recompiles(RECOMPILE_BUDGET)
         # Given back when the Backend goes: no lasting change to the process's Dynamo limit.
-        weakref.finalize(self, _compat.allow_recompiles, -RECOMPILE_BUDGET)
-        _compat.on_recompile_limit(self._gave_up)
+        weakref.finalize(self, compat_recompile.allow_recompiles, -RECOMPILE_BUDGET)
+        compat_recompile.on_recompile_limit(self._gave_up)
 
     def _configure(self, mode: str | None) -> None:
         self.config, kept = modes.with_mode(self.given, mode)
@@ -156,7 +158,7 @@ class Backend:
 
     def _compile_runtime(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Callable, Any]:
         self.compiled_dynamic |= any(isinstance(x, torch.SymInt) for x in example_inputs)
-        if _compat.is_recompile():
+        if compat_recompile.is_recompile():
             self._report.recompiles += 1
             recompiles.on_recompile(self.config.on_recompile, self._report)
         device = device_type(example_inputs)
@@ -168,68 +170,10 @@ class Backend:
         spec: GraphSpec | str = GraphSpec(key, level, passes=self.cache.pass_uuid()) if key is not None else bypass
         if mode == "none":
             return self._compile(gm, example_inputs, level, key), spec
-        from .runtime import piecewise
-        from .runtime.fake_run import fake_run
-        from .runtime.runner import GraphRunner
-        from .runtime.signature import batch_candidates, signature_of
+        from . import backend_runtime  # the runtime is imported once a graph has device graphs
 
-        graph_index = len(self._report.pieces)
-        try:
-            findings = fake_run(gm, example_inputs, self.config.cudagraph_splitting_ops,
-                                batch_candidates(gm, self.dynamic_dims, example_inputs), self.config.rowwise_ops)
-        except Exception as error:  # noqa: BLE001 - the graph still runs; only device graphs are lost
-            self._report.fallback(f"use_cudagraph: graph {graph_index} could not be run on fake tensors to "
-                                  f"find its splitting ops and written inputs ({type(error).__name__}: "
-                                  f"{error}); it runs without device graphs")
-            return self._compile(gm, example_inputs, level, key), spec
-        signature = signature_of(gm, self.dynamic_dims, self.pad_values, findings.written, example_inputs,
-                                 findings.mixing)
-        unsafe = findings.splitting_nodes
-        if unsafe and mode == "full":
-            reasons = "; ".join(sorted(set(unsafe.values())))
-            self._report.fallback(f"use_cudagraph: cudagraph_mode='full' and graph {graph_index} has ops a "
-                                  f"device graph cannot replay, so it runs without one: {reasons}")
-            return self._compile(gm, example_inputs, level, key), spec
-        if not unsafe:
-            if isinstance(spec, GraphSpec):
-                spec.signature = signature
-            return self._runner(self._compile(gm, example_inputs, level, key), signature, key), spec
-        from .runtime.capture import CapturedGraph, Pool
-
-        split_gm, unsafe_pieces = piecewise.split(gm, unsafe)
-        real = dict(zip([n.name for n in gm.graph.nodes if n.op == "placeholder"], example_inputs))
-        captured = []
-        pool = Pool(self.config)
-
-        def compile_piece(name: str, piece: torch.fx.GraphModule, fakes: list) -> Callable | None:
-            inputs = [n.name for n in piece.graph.nodes if n.op == "placeholder"]
-            # A number an earlier piece computes (`.item()`) changes every call: a capture would freeze it.
-            numbers = [n for n, fake in zip(inputs, fakes) if not isinstance(fake, torch.Tensor) and n not in real]
-            if numbers and name not in unsafe_pieces:
-                unsafe_pieces[name] = f"it reads {numbers[0]}, a number computed at run time by an earlier piece"
-            record = self._report.piece(graph_index, unsafe_pieces.get(name))
-            if name in unsafe_pieces:
-                return None
-            # Top-level inputs are real (freezing and verify need values); intermediates stay fake.
-            examples = [real.get(n, fake) for n, fake in zip(inputs, fakes)]
-            # The graph's own inputs sit at fixed addresses; intermediates from eager pieces are copied in.
-            wrapper = CapturedGraph(self._compile(piece, examples, level), record, self.config, self._report,
-                                    pool, static=[n in real for n in inputs])
-            captured.append(wrapper)
-            return wrapper
-
-        piecewise.compile_pieces(split_gm, example_inputs, compile_piece)
-        runner = GraphRunner(split_gm, signature, captured, self.config, self._report, self.callers, key)
-        return runner, "it is split into pieces around ops a device graph cannot replay"
-
-    def _runner(self, compiled: Callable, signature: Any, key: str | None) -> Callable:
-        """The runtime of an unsplit graph: one CapturedGraph, its device graphs in one pool."""
-        from .runtime.capture import CapturedGraph, Pool
-        from .runtime.runner import GraphRunner
-
-        record = self._report.piece(len(self._report.pieces), None)
-        captured = CapturedGraph(compiled, record, self.config, self._report, Pool(self.config), signature.static)
-        return GraphRunner(captured, signature, [captured], self.config, self._report, self.callers, key)
+        compile_at_level = functools.partial(self._compile, level=level)
+        return backend_runtime.wrap(self, gm, example_inputs, mode, compile_at_level, key, spec)
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], level: int,
                  key: str | None = None) -> Callable:
@@ -252,14 +196,17 @@ class Backend:
 
     def _compile_level1(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], record: GraphRecord,
                         real_inputs: list, kinds: list[str], key: str | None) -> Callable:
-        """Level 1: AOTAutograd, the passes, lowering. A cache hit skips the passes and,
-        where AOTAutograd's runtime wrapper would only call the graph, AOTAutograd too."""
+        """Level 1: AOTAutograd, the passes, lowering. Where AOTAutograd's runtime
+        wrapper would only call the graph, the graph runs without it (a cache hit
+        then skips AOTAutograd too); a cache hit skips the passes."""
         stored = self.cache.load(key)
         if stored is not None and stored["direct"] is not None:
             self._restore(stored, record)
             return compat_cache.call_like_aot(cache.load_graph(stored["lowered"]), stored["direct"])
         inference = not (torch.is_grad_enabled() and any(
             isinstance(x, torch.Tensor) and x.requires_grad for x in real_inputs))
+
+        direct: list[Callable] = []
 
         def fw_compiler(aot_gm: torch.fx.GraphModule, _fake_inputs: list) -> Callable:
             if stored is not None:
@@ -268,11 +215,14 @@ class Backend:
             records = self._optimize(aot_gm, record, real_inputs, kinds)
             lowered = lower_to_bindings(aot_gm)
             graph_inputs = len(aot_gm.graph.find_nodes(op="placeholder"))
-            direct = compat_cache.aot_wrapper_output_dims(graph_inputs, len(example_inputs), inference)
-            self.cache.store(key, {**records, "direct": direct}, aot_gm, lowered)
+            dims = compat_cache.aot_wrapper_output_dims(graph_inputs, len(example_inputs), inference)
+            self.cache.store(key, {**records, "direct": dims}, aot_gm, lowered)
+            if dims is not None:
+                direct.append(compat_cache.call_like_aot(lowered, dims))
             return _compat.boxed(lowered)
 
-        return _compat.aot_inference(gm, example_inputs, fw_compiler)
+        compiled = _compat.aot_inference(gm, example_inputs, fw_compiler)
+        return direct[0] if direct else compiled
 
     def _compile_inductor(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], record: GraphRecord,
                           real_inputs: list, kinds: list[str], key: str | None) -> Callable:
@@ -347,7 +297,11 @@ class Backend:
         self._restore(stored, record)
         record.compile_seconds = time.perf_counter() - start
         record.traced = False
-        return self._runner(compiled, spec.signature, spec.key) if spec.signature else compiled
+        if not spec.signature:
+            return compiled
+        from . import backend_runtime
+
+        return backend_runtime.runner_of(self, compiled, spec.signature, spec.key)
 
     def _optimize(self, gm: torch.fx.GraphModule, record: GraphRecord, inputs: list, kinds: list[str]) -> dict:
         records = PassManager(self.config, self._report).optimize(gm, record, inputs, kinds)

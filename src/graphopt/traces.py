@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from . import _compat, cache
+from . import cache
+from ._compat import recompile as compat_recompile
 from ._compat import traces as compat
 from .backend import Backend
 
@@ -78,6 +79,7 @@ class StoredTraces:
         self.cache = cache.CompileCache(backend.config.cache_dir, backend.report())
         self.key = cache.cache_key("stored traces", identity_of_step, _qualified(self.function))
         self.globals = self.function.__globals__  # a decorator's wrapper: its own module's, not __module__'s
+        self.frame = compat.frame_binder(self.function)  # every trace's guards read the same locals
         self.traces: list[_Trace] | None = None     # read from the cache on the first call
         self.untraceable: str | None = compat.unsupported() or (
             None if traced else "its module's call is more than its forward method")
@@ -117,7 +119,7 @@ class StoredTraces:
                 continue
             if trace.traced is None and not self._load(trace):
                 continue
-            frame = frame or compat.frame_locals(trace.traced, full, kwargs)
+            frame = frame or self.frame(full, kwargs)
             if self._fits(trace, frame):
                 return trace
         return None
@@ -179,8 +181,8 @@ class StoredTraces:
         its graph, store the trace; None (logged) where the step cannot be traced as
         one graph."""
         report = self.backend.report()
-        if self.untraceable is None and sum(t.bound for t in self.traces) >= _compat.recompile_limit():
-            self._give_up(f"it has {_compat.recompile_limit()} traces, Dynamo's recompile_limit")
+        if self.untraceable is None and sum(t.bound for t in self.traces) >= compat_recompile.recompile_limit():
+            self._give_up(f"it has {compat_recompile.recompile_limit()} traces, Dynamo's recompile_limit")
         if self.untraceable is not None:
             return None
         self.mark(args, kwargs)  # other dims become dynamic as Dynamo's automatic dynamic shapes decide
@@ -221,7 +223,7 @@ class StoredTraces:
                 self.cache.store(self.key, {"traces": [], "unstorable": _why(error)})
             return
         kept = [t.stored() for t in self.traces if t.data is not None and t.refused is None]
-        self.cache.store(self.key, {"traces": kept[-_compat.recompile_limit():], "unstorable": None})
+        self.cache.store(self.key, {"traces": kept[-compat_recompile.recompile_limit():], "unstorable": None})
         self.backend.report().traces_stored += 1
 
     def _give_up(self, reason: str) -> None:

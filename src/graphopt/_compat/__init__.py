@@ -4,7 +4,9 @@ torch's compiler internals change between releases (graphopt runs on 2.11 to 2.1
 Each wrapper here detects what the installed torch offers, with `inspect` where a
 signature moved, so an upgrade breaks this package and no other. This module holds
 Dynamo, AOTAutograd, Inductor and shapes; `patterns.py` Inductor's pattern matcher,
-`cache.py` what the compile cache needs, `traces.py` Dynamo's stored traces.
+`cache.py` what the compile cache needs, `traces.py` Dynamo's stored traces,
+`recompile.py` Dynamo's recompiles (its limit, when it gives up, what failed),
+`names.py` the private names used as they are.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import inspect
 import re
 import sys
 import threading
-import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -260,23 +261,6 @@ def _source_name(placeholder: torch.fx.Node) -> str:
     return name() if callable(name) else str(name)  # a method before torch 2.12, a property since
 
 
-def allow_recompiles(count: int) -> None:
-    """Let Dynamo keep `count` more graphs per function before it gives up and runs
-    eagerly. Its limit counts every graph of a code object, across every
-    torch.compile of it: each optimized copy of one model needs its own share."""
-    config = torch._dynamo.config
-    setattr(config, _recompile_limit_name(), recompile_limit() + count)
-
-
-def recompile_limit() -> int:
-    """How many graphs Dynamo keeps per function before it gives up and runs eagerly."""
-    return getattr(torch._dynamo.config, _recompile_limit_name())
-
-
-def _recompile_limit_name() -> str:
-    return "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-
-
 def written_arguments(op: Any, args: tuple, kwargs: dict) -> list[Any]:
     """The arguments an ATen call writes in place (its schema's mutable aliases)."""
     written = []
@@ -337,41 +321,6 @@ def graph_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any] = ()) -
 def symbol_of(size: Any) -> Any:
     """The sympy expression of a symbolic size, or None for a plain int."""
     return size.node.expr if isinstance(size, torch.SymInt) else None
-
-
-def is_recompile() -> bool:
-    """Whether the graph being compiled now replaces one of the same frame whose
-    guards failed (a recompile), rather than being that frame's first graph."""
-    from torch._guards import CompileContext
-
-    compile_id = CompileContext.current_compile_id()
-    return bool(compile_id is not None and getattr(compile_id, "frame_compile_id", 0))
-
-
-_recompile_limit_listeners: list[weakref.WeakMethod] = []
-
-
-def on_recompile_limit(listener: Callable[[str], None]) -> None:
-    """Call the bound method `listener(message)`, while its object lives, whenever Dynamo gives up on a function because it
-    hit its recompile limit (it then runs that frame eagerly, saying so only in a
-    log line: this watches that log line)."""
-    import logging
-
-    if not _recompile_limit_listeners:
-        class _Watch(logging.Filter):
-            def filter(self, record: logging.LogRecord) -> bool:
-                if "hit config." in str(record.msg):
-                    message = record.getMessage().splitlines()
-                    for ref in list(_recompile_limit_listeners):
-                        notify = ref()
-                        if notify is None:
-                            _recompile_limit_listeners.remove(ref)
-                        else:
-                            notify(" ".join(line.strip() for line in message[:2]))
-                return True
-
-        logging.getLogger("torch._dynamo.convert_frame").addFilter(_Watch())
-    _recompile_limit_listeners.append(weakref.WeakMethod(listener))
 
 
 def is_fake(tensor: torch.Tensor) -> bool:

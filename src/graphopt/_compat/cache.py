@@ -53,10 +53,12 @@ def _aot_plain_meta_types() -> list[type]:
     return [schemas.PlainTensorMeta] if hasattr(schemas, "PlainTensorMeta") else []
 
 
-def call_like_aot(graph: Callable, output_dims: list) -> Callable:
+def call_like_aot(graph: torch.fx.GraphModule, output_dims: list) -> Callable:
     """What AOTAutograd's runtime wrapper does for a graph `aot_wrapper_output_dims`
     accepted: call it, return the inputs it returns as themselves, and mark the
-    dynamic dims of its other outputs for later frames."""
+    dynamic dims of its other outputs for later frames. It calls the graph's
+    `forward`: GraphModule's `__call__` adds an nn.Module call (~2 us) only to
+    print the generated code on an error (the traceback shows its lines anyway)."""
     from torch._functorch._aot_autograd import runtime_wrappers
 
     # The helper's name up to torch 2.11, and after.
@@ -67,7 +69,7 @@ def call_like_aot(graph: Callable, output_dims: list) -> Callable:
     inputs = [(i, dims["input"]) for i, dims in enumerate(output_dims) if isinstance(dims, dict)]
 
     def run(*args: Any) -> Any:
-        outputs = graph(*args)
+        outputs = graph.forward(*args)
         if inputs:
             outputs = list(outputs)
         for i, base in inputs:

@@ -1,5 +1,6 @@
 """Private torch names graphopt uses as they are: operator types, the Python binding
-namespaces, pytree, the dispatch mode base class, functional collectives.
+namespaces, pytree (and `tensor_leaves` over it), the dispatch mode base class,
+functional collectives.
 
 They live in private modules (`torch._ops`, `torch._C`, `torch.utils._pytree`, ...);
 every other graphopt module reads them from here, so a torch that moves one breaks
@@ -14,7 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 
 __all__ = ["OpOverload", "OpOverloadPacket", "FunctionSchema", "Argument", "FUNCTIONS", "NN", "TENSOR",
            "OUT_NAMESPACES", "INPLACE_NAMESPACES", "RECOMPILE_LIMIT", "INDUCTOR_OPTIONS", "TorchDispatchMode",
-           "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "functional_collectives"]
+           "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "tensor_leaves", "functional_collectives"]
 
 OpOverload = torch._ops.OpOverload
 OpOverloadPacket = torch._ops.OpOverloadPacket
@@ -30,6 +31,11 @@ INPLACE_NAMESPACES = (TENSOR, FUNCTIONS)
 # Named in messages that tell the user which torch setting to change.
 RECOMPILE_LIMIT = "torch._dynamo.config.recompile_limit"
 INDUCTOR_OPTIONS = "torch._inductor.list_options()"
+
+
+def tensor_leaves(value: object) -> list[torch.Tensor]:
+    """The tensors among a pytree's leaves, in pytree order."""
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def functional_collectives():

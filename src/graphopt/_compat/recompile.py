@@ -1,11 +1,18 @@
-"""What Dynamo knows of the recompile being compiled now: the guard that failed,
-and the value it failed on. Private Dynamo state, read defensively: where a torch
-does not have it, graphopt says it does not know rather than failing the compile."""
+"""Dynamo's recompiles: its limit of graphs per function, whether the graph being
+compiled now is a recompile, when Dynamo gives up on a function, and the guard
+that failed with the value it failed on. Private Dynamo state, read defensively:
+where a torch does not have it, graphopt says it does not know rather than
+failing the compile."""
 
 from __future__ import annotations
 
+import logging
 import re
-from typing import Any
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch._dynamo
 
 # The subject of a guard: self.scale, L['x'], G['flag'], L['cache'][0].shape ...
 _SUBJECT = re.compile(r"(?:\b[LG]\[['\"][^'\"]+['\"]\]|\b[A-Za-z_]\w*)(?:\.\w+|\[[^\]]+\])*")
@@ -57,3 +64,53 @@ def backend_error(error: BaseException) -> BaseException | None:
     """The exception a backend raised, where Dynamo wrapped it (BackendCompilerFailed)."""
     inner = getattr(error, "inner_exception", None)
     return inner if isinstance(inner, BaseException) else None
+
+
+def allow_recompiles(count: int) -> None:
+    """Let Dynamo keep `count` more graphs per function before it gives up and runs
+    eagerly. Its limit counts every graph of a code object, across every
+    torch.compile of it: each optimized copy of one model needs its own share."""
+    config = torch._dynamo.config
+    setattr(config, _recompile_limit_name(), recompile_limit() + count)
+
+
+def recompile_limit() -> int:
+    """How many graphs Dynamo keeps per function before it gives up and runs eagerly."""
+    return getattr(torch._dynamo.config, _recompile_limit_name())
+
+
+def _recompile_limit_name() -> str:
+    return "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+
+
+def is_recompile() -> bool:
+    """Whether the graph being compiled now replaces one of the same frame whose
+    guards failed (a recompile), rather than being that frame's first graph."""
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    return bool(compile_id is not None and getattr(compile_id, "frame_compile_id", 0))
+
+
+_recompile_limit_listeners: list[weakref.WeakMethod] = []
+
+
+def on_recompile_limit(listener: Callable[[str], None]) -> None:
+    """Call the bound method `listener(message)`, while its object lives, whenever Dynamo gives up on a function because it
+    hit its recompile limit (it then runs that frame eagerly, saying so only in a
+    log line: this watches that log line)."""
+    if not _recompile_limit_listeners:
+        class _Watch(logging.Filter):
+            def filter(self, record: logging.LogRecord) -> bool:
+                if "hit config." in str(record.msg):
+                    message = record.getMessage().splitlines()
+                    for ref in list(_recompile_limit_listeners):
+                        notify = ref()
+                        if notify is None:
+                            _recompile_limit_listeners.remove(ref)
+                        else:
+                            notify(" ".join(line.strip() for line in message[:2]))
+                return True
+
+        logging.getLogger("torch._dynamo.convert_frame").addFilter(_Watch())
+    _recompile_limit_listeners.append(weakref.WeakMethod(listener))

@@ -280,8 +280,27 @@ def stored_callable(traced: Any) -> Any:
     return traced._artifacts.compiled_fn
 
 
-def frame_locals(traced: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
-    return traced.prepare_f_locals(*args, **kwargs)
+def frame_binder(fn: Callable) -> Callable[[tuple, dict], dict[str, Any]]:
+    """(args, kwargs) -> the locals a trace of `fn` checks its guards on: what
+    `AOTCompiledFunction.prepare_f_locals` builds (closure cells, then the bound
+    arguments), without `inspect`'s binding for a plain positional call, which
+    costs more than the guards themselves."""
+    signature = inspect.signature(fn, follow_wrapped=False)  # as Dynamo's _get_signature
+    names = tuple(signature.parameters)
+    plain = all(p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty for p in signature.parameters.values())
+    cells = tuple(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+
+    def bind(args: tuple, kwargs: dict) -> dict[str, Any]:
+        frame = {name: cell.cell_contents for name, cell in cells}
+        if plain and not kwargs and len(args) == len(names):
+            frame.update(zip(names, args))
+        else:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            frame.update(bound.arguments)
+        return frame
+
+    return bind
 
 
 def guards_pass(traced: Any, frame: dict[str, Any]) -> bool:
@@ -290,7 +309,9 @@ def guards_pass(traced: Any, frame: dict[str, Any]) -> bool:
 
 
 def run(traced: Any, args: tuple, kwargs: dict) -> Any:
-    return traced(*args, **kwargs)
+    """The trace's bytecode on a call whose guards `guards_pass` passed (torch's own
+    `__call__` would check them again)."""
+    return traced.fn(*args, **kwargs)
 
 
 def changed_source(traced: Any) -> str | None:

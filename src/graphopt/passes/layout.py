@@ -26,7 +26,7 @@ import torch
 import torch.fx
 
 from .. import _compat
-from .._compat.names import OpOverload, tree_leaves
+from .._compat.names import OpOverload, tensor_leaves, tree_leaves
 from .base import STRIDE_READERS, GraphFacts, PassResult, alias_root, has_effect, same_layout, written_roots
 from .strides import fake_run, same_sizes_and_dtypes, same_strides
 
@@ -227,8 +227,8 @@ def _joins_region(node: torch.fx.Node, new: Any, old: Any) -> bool:
                                           and torch.Tag.pointwise in target.tags)
     if not region_op or not _reads_values_only(node):
         return False
-    pairs = list(zip(_tensors(new), _tensors(old)))
-    return bool(pairs) and len(_tensors(new)) == len(tree_leaves(new)) and all(
+    pairs = list(zip(tensor_leaves(new), tensor_leaves(old)))
+    return bool(pairs) and len(tensor_leaves(new)) == len(tree_leaves(new)) and all(
         _same_layout(n, o) or (_is_nhwc(n) and _is_contiguous(o)) for n, o in pairs) \
         and any(_is_nhwc(n) and not _same_layout(n, o) for n, o in pairs)
 
@@ -262,10 +262,6 @@ def _convert_weight(gm: torch.fx.GraphModule, conv: torch.fx.Node, converted: di
     conversion = _insert_conversion(weight, [conv], NHWC, fake_mode)
     converted[weight] = fold_node(gm, conversion) or conversion
     return 1
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def _same_layout(new: Any, old: Any) -> bool:

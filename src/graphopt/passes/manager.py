@@ -30,7 +30,7 @@ import torch
 import torch.fx
 
 from .. import _compat
-from .._compat.names import tree_leaves
+from .._compat.names import tensor_leaves, tree_leaves
 from ..config import GraphOptimizationConfig, tolerance
 from ..report import GraphRecord, PassRecord, Report, first_line
 from .base import PassResult
@@ -320,7 +320,7 @@ def _run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> list[torch.Te
         args = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
         torch.manual_seed(0)
         out = gm(*args)
-    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)] + \
+    return tensor_leaves(out) + \
            [a for a in args if isinstance(a, torch.Tensor)]
 
 

@@ -27,15 +27,26 @@ class Dispatcher:
     its own size, as long as that is within the largest capture size. With
     `planned` sizes (capture sizes "auto"), only the planned sizes get graphs and
     a batch the plan leaves out runs without one, with no fallback record: the
-    plan's reasons (`report().plans`) say why.
+    plan's reasons (`report().plans`) say why. Each batch up to the largest size
+    is decided once: a re-plan makes a new Dispatcher.
     """
 
     def __init__(self, capture_sizes: list[int] | tuple[int, ...], padding: bool, planned: bool = False):
         self.sizes = sorted(capture_sizes)
         self.padding = padding
         self.planned = planned
+        self.largest = self.sizes[-1] if self.sizes else 0
+        self.decided: dict[int | None, Dispatch] = {}  # the few batches a step sees, decided once
 
     def __call__(self, batch: int | None) -> Dispatch:
+        dispatch = self.decided.get(batch)
+        if dispatch is None:
+            dispatch = self.decide(batch)
+            if batch is None or batch <= self.largest:
+                self.decided[batch] = dispatch
+        return dispatch
+
+    def decide(self, batch: int | None) -> Dispatch:
         if batch is None:
             return Dispatch("graph")
         if batch == 0:

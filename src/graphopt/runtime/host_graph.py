@@ -50,7 +50,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import _compat
-from .._compat.names import TorchDispatchMode, tree_leaves
+from .._compat.names import TorchDispatchMode, tensor_leaves
 from ..arena import plan_offsets
 from . import native_tape
 from .device_graph import PoolBudgetExceeded
@@ -152,7 +152,7 @@ class HostGraph:
         shares memory with another (correct, but a bigger arena). An arena that
         would grow by more than `max_growth` raises PoolBudgetExceeded before it grows."""
         recorder = self._stop("capture_end")
-        escaping = None if outputs is None else _tensors(outputs)
+        escaping = None if outputs is None else tensor_leaves(outputs)
         try:
             with torch.inference_mode():
                 allocations, fresh = _analyse(recorder.records, escaping)
@@ -280,10 +280,6 @@ class _Allocation:
     offset: int = 0
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
-
-
 def _storage_key(t: torch.Tensor) -> int | None:
     """Identity of a tensor's memory: its storage's address. Every tensor the capture
     sees is kept alive until capture_end, so no address is reused meanwhile. None for
@@ -309,13 +305,13 @@ def _analyse(records: list, escaping: list[torch.Tensor] | None) -> tuple[list[_
             made[key].tensors[id(t)] = t
 
     for i, (_, args, kwargs, result) in enumerate(records):
-        for t in _tensors((args, kwargs)):
+        for t in tensor_leaves((args, kwargs)):
             key = _storage_key(t)
             seen.add(key)
             touch(t, key, i)
         new_here: set[int] = set()
         flags = []
-        for t in _tensors(result):
+        for t in tensor_leaves(result):
             key = _storage_key(t)
             is_new = key is not None and (key not in seen or key in new_here)
             if is_new and key not in new_here:
@@ -341,12 +337,12 @@ def _inputs(records: list) -> dict[int, list[torch.Tensor] | None]:
     before: dict[int, list[int]] = {}
     made: set[int] = set()
     for _, args, kwargs, result in records:
-        for t in _tensors((args, kwargs)):
+        for t in tensor_leaves((args, kwargs)):
             key = _storage_key(t)
             if key is not None and key not in made and id(t) not in on.setdefault(key, {}):
                 on[key][id(t)] = t
                 before.setdefault(key, []).append(id(t))
-        for t in _tensors(result):
+        for t in tensor_leaves(result):
             key = _storage_key(t)
             if key in on:
                 on[key].setdefault(id(t), t)
@@ -367,7 +363,7 @@ def _arena_bytes_read(records: list, arena: torch.UntypedStorage) -> int:
     graph of the pool that this one consumes, e.g. the piece before it)."""
     arena_ref, end = StorageWeakRef(arena), 0
     for _, args, kwargs, _ in records:
-        for t in _tensors((args, kwargs)):
+        for t in tensor_leaves((args, kwargs)):
             if t.layout == torch.strided and StorageWeakRef(t.untyped_storage()) == arena_ref and t.numel():
                 end = max(end, _extent(t)[1])
     return -(-end // _ALIGN) * _ALIGN

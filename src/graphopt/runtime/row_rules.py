@@ -14,7 +14,7 @@ from typing import Any, Callable
 import sympy
 import torch
 
-from .._compat.names import tree_leaves
+from .._compat.names import tensor_leaves
 from ..kernels.collective import is_collective_op
 from .safety import named_arguments
 
@@ -63,7 +63,7 @@ class Call:
         self.name = name[:-1] if name.endswith("_") and not name.endswith("__") else name
         self.named = {a.name: a.default_value for a in func._schema.arguments if a.has_default_value()}
         self.named.update(named_arguments(func, args, kwargs))
-        self.tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        self.tensors = tensor_leaves((args, kwargs))
 
     def rows(self, t: Any) -> Rows | None:
         return self.state.of(t) if isinstance(t, torch.Tensor) else None

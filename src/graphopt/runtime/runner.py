@@ -77,16 +77,39 @@ class GraphRunner:
         self.unsupported: str | None = None  # why the inputs rule out device graphs ("" when they do not)
 
     def __call__(self, *args: Any) -> Any:
+        """The replayed step: the capture size for this batch, the inputs copied
+        into its static buffers, the graph run at that size, the real rows back."""
+        route = self._route(args)
+        if route is None:
+            return self.graph(*args)
+        batch, size, other, traffic = route
+        with self.lock:
+            self.callers.add(threading.get_ident())
+            static_args = self.inputs.fill(list(args), batch, size)
+            if self.handed_out and not self.config.clone_output and any(r() is not None for r in self.handed_out):
+                self._warn_held_outputs()
+            with running_at((size or self.signature.static_batch, *other)):
+                outputs = self.graph(*static_args)
+            if traffic:
+                self.report.padded_rows += size - batch if batch is not None and size is not None else 0
+                self.report.steps_replayed += bool(self.captured) and all(p.replayed for p in self.captured)
+            return self._hand_out(outputs, batch, size, args)
+
+    def _route(self, args: tuple) -> tuple[int | None, int | None, tuple, bool] | None:
+        """(batch, capture size, the other symbols' values, whether the call is
+        traffic), or None where the call runs the compiled graph directly: inputs
+        a device graph cannot take, or a batch the dispatcher gives no graph (each
+        logged once as a fallback). Traffic is counted and planned on here."""
         if self.unsupported is None:  # Dynamo guards the input types: checked once
             self.unsupported = _unsupported_input(args)
         if self.unsupported:
             self.report.fallback(f"use_cudagraph: {self.unsupported}, so the graph runs without device graphs")
-            return self.graph(*args)
+            return None
         try:
             batch = self.signature.batch_of(args)
         except BatchMismatch as error:
             self.report.fallback(f"use_cudagraph: {error}; running without a device graph")
-            return self.graph(*args)
+            return None
         traffic = is_traffic()
         if traffic:
             self.report.steps += 1
@@ -101,26 +124,16 @@ class GraphRunner:
             if dispatch.reason:
                 self.report.fallback(f"use_cudagraph: {dispatch.reason} (the batch: "
                                      f"{self.signature.batch_names}; declare it with dynamic_dims)")
-            return self.graph(*args)
+            return None
         other = self.signature.key_of(args)
         if other not in self.other_values:
             if len(self.other_values) >= MAX_OTHER_VALUES:
                 self.report.fallback(f"use_cudagraph: a size or number the graph reads ({self.signature.key_names}) "
                                      f"took more than {MAX_OTHER_VALUES} values; new ones run without a "
                                      "device graph, since each would need a capture of its own")
-                return self.graph(*args)
+                return None
             self.other_values.add(other)
-        with self.lock:
-            self.callers.add(threading.get_ident())
-            static_args = self.inputs.fill(list(args), batch, dispatch.size)
-            if self.handed_out and not self.config.clone_output and any(r() is not None for r in self.handed_out):
-                self._warn_held_outputs()
-            with running_at((dispatch.size or self.signature.static_batch, *other)):
-                outputs = self.graph(*static_args)
-            if traffic:
-                self.report.padded_rows += (dispatch.size or 0) - (batch or 0) if batch is not None else 0
-                self.report.steps_replayed += bool(self.captured) and all(p.replayed for p in self.captured)
-            return self._hand_out(outputs, batch, dispatch.size, self.signature.numbers_of(args))
+        return batch, dispatch.size, other, traffic
 
     def _observe(self, batch: int) -> None:
         """Count the call's batch; at a re-plan, release what the plan let go and dispatch on its sizes."""
@@ -146,11 +159,12 @@ class GraphRunner:
         shared = any(piece.pool.shared for piece in self.captured)  # the pieces of a runner share one Pool
         return others + (max(estimates, default=0) if shared else sum(estimates))
 
-    def _hand_out(self, outputs: Any, batch: int | None, size: int | None, numbers: dict[int, int]) -> Any:
+    def _hand_out(self, outputs: Any, batch: int | None, size: int | None, args: tuple) -> Any:
         clone = self.config.clone_output or len(self.callers) > 1
-        sliced = batch is not None and batch != size
-        result = [numbers[i] if i in numbers else _rows(out, dim if sliced else None, batch, clone)
-                  for i, (out, dim) in enumerate(zip(outputs, self.signature.out_dims))]
+        dims = self.signature.out_dims if batch is not None and batch != size else [None] * len(outputs)
+        result = [_rows(out, dim, batch, clone) for out, dim in zip(outputs, dims)]
+        for i, number in self.signature.numbers_of(args).items():
+            result[i] = number
         if not clone and any(piece.owns_outputs for piece in self.captured):
             self.handed_out = [weakref.ref(t) for t in result if isinstance(t, torch.Tensor)]
         return tuple(result) if isinstance(outputs, tuple) else result
@@ -187,7 +201,7 @@ def _rows(out: Any, dim: int | None, batch: int | None, clone: bool) -> Any:
         return out
     # Always a new view: the held-output check keeps weak references to what it
     # hands out, and the graph's own output tensor never dies.
-    view = out.narrow(dim, 0, batch) if dim is not None else out.view(out.shape)
+    view = out.narrow(dim, 0, batch) if dim is not None else out.view_as(out)
     return view.clone() if clone else view
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.fx
 
 from .. import _compat
-from .._compat.names import tree_leaves
+from .._compat.names import tensor_leaves, tree_leaves
 
 
 @dataclass
@@ -174,7 +174,7 @@ def _reaching_no_tensor(gm: torch.fx.GraphModule, symbols: dict) -> dict:
     left = dict(symbols)
     for node in gm.graph.nodes:
         value = node.meta.get("example_value", node.meta.get("val"))
-        tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+        tensors = tensor_leaves(value)
         found: set = set()
         for t in tensors:
             for size in (*t.shape, *t.stride(), t.storage_offset()):

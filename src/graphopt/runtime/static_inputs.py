@@ -22,37 +22,43 @@ class StaticInputs:
     def __init__(self, signature: Signature, largest: int, clone_input: bool):
         self.signature = signature
         self.largest = largest
-        self.clone_input = clone_input
+        # Inputs without a batch dim are left to the device graph when clone_input is off:
+        # it copies one only when it is not the captured tensor.
+        self.copied = [i for i in signature.copied if signature.batch_dims[i] is not None or clone_input]
         self.buffers: dict[tuple[int, int | None], torch.Tensor] = {}
         self.layouts: dict[tuple[int, tuple[int, ...]], tuple[list[int], bool, bool]] = {}
+        # (input, size, shape, strides) -> where that input goes at that size: the
+        # same few keys every call, so a call does no layout work.
+        self.targets: dict[tuple, tuple[torch.Tensor, list[int], bool]] = {}
 
     def fill(self, args: list[Any], batch: int | None, size: int | None) -> list[Any]:
-        """The arguments for running at `size`: user inputs copied (and padded) into
-        their buffers, the batch SymInt set to `size`, everything else as given."""
+        """`args` (the caller's list, rewritten) for running at `size`: user inputs
+        copied (and padded) into their buffers, the batch SymInt set to `size`,
+        everything else as given."""
         sig = self.signature
-        out = list(args)
-        for i in sig.copied:
-            value, dim = args[i], sig.batch_dims[i]
-            if dim is None and not self.clone_input:
-                continue  # the device graph copies it only when it is not the captured tensor
-            broadcast, rows, outermost = self._layout(i, value)
-            base = self._buffer(i, value, broadcast, outermost, size if rows else None)
+        for i in self.copied:
+            value = args[i]
+            key = (i, size, value.shape, value.stride())
+            target = self.targets.get(key)
+            if target is None:
+                target = self.targets[key] = self._target(i, value, size)
+            base, broadcast, rows = target
             if base.data_ptr() != value.data_ptr():
                 source = value
                 for d in broadcast:
                     source = source.narrow(d, 0, 1)
-                (base.narrow(dim, 0, batch) if rows else base).copy_(source)
+                (base.narrow(sig.batch_dims[i], 0, batch) if rows and batch < size else base).copy_(source)
             if rows and batch < size:
-                base.narrow(dim, batch, size - batch).fill_(sig.pads[i])
-            if broadcast:
-                shape = list(value.shape)
-                if dim is not None:
-                    shape[dim] = size
-                base = base.expand(shape)
-            out[i] = base
+                base.narrow(sig.batch_dims[i], batch, size - batch).fill_(sig.pads[i])
+            args[i] = base if not broadcast else base.expand(_shape_at(value, sig.batch_dims[i], size))
         for i in sig.batch_symints:
-            out[i] = size
-        return out
+            args[i] = size
+        return args
+
+    def _target(self, i: int, value: torch.Tensor, size: int | None) -> tuple[torch.Tensor, list[int], bool]:
+        """(input i's buffer at `size` rows, its broadcast dims, whether it has rows to pad)."""
+        broadcast, rows, outermost = self._layout(i, value)
+        return self._buffer(i, value, broadcast, outermost, size if rows else None), broadcast, rows
 
     def _layout(self, i: int, value: torch.Tensor) -> tuple[list[int], bool, bool]:
         """(broadcast dims, whether it has rows to pad, whether its batch dim is
@@ -82,6 +88,13 @@ class StaticInputs:
                 shape[dim] = key[1]
             buffer = self.buffers[key] = _empty_like(value, shape)
         return buffer.narrow(dim, 0, size) if outermost else buffer
+
+
+def _shape_at(value: torch.Tensor, dim: int | None, size: int | None) -> list[int]:
+    shape = list(value.shape)
+    if dim is not None:
+        shape[dim] = size
+    return shape
 
 
 def _outermost(value: torch.Tensor, dim: int) -> bool:

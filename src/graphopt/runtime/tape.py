@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from .._compat import names
-from .._compat.names import tree_leaves, tree_map
+from .._compat.names import tensor_leaves, tree_map
 from ..bindings import exact_binding
 from ..kernels.collective import is_collective_op
 
@@ -59,7 +59,7 @@ def plan_entry(op: Any, args: tuple, kwargs: dict, result: Any, fresh: list[bool
     arena is appended to `placed`. `bindings`: look for Python bindings."""
     if torch.Tag.inplace_view in op.tags or op.overloadpacket.__name__ in _METADATA:
         return None
-    outputs = _tensors(result)
+    outputs = tensor_leaves(result)
     if is_collective_op(op):
         return Entry((_Communicate(op, args, kwargs, _kept(outputs, fresh)), (), {}))
     if op._schema.is_mutable:
@@ -87,10 +87,6 @@ def plan_entry(op: Any, args: tuple, kwargs: dict, result: Any, fresh: list[bool
                  recompute.targets if returns_tensors else None)
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
-
-
 def _kept(outputs: list[torch.Tensor], fresh: list[bool]) -> list[torch.Tensor | None]:
     return [t if new else None for t, new in zip(outputs, fresh)]
 
@@ -102,7 +98,7 @@ class _Recompute:
         self.op, self.args, self.kwargs, self.targets = op, args, kwargs, targets
 
     def __call__(self) -> None:
-        for target, value in zip(self.targets, _tensors(self.op(*self.args, **self.kwargs))):
+        for target, value in zip(self.targets, tensor_leaves(self.op(*self.args, **self.kwargs))):
             if target is not None:
                 target.copy_(value)
 
@@ -115,7 +111,7 @@ class _Communicate(_Recompute):
     buffer still being communicated."""
 
     def __call__(self) -> None:
-        for target, value in zip(self.targets, _tensors(self.op(*self.args, **self.kwargs))):
+        for target, value in zip(self.targets, tensor_leaves(self.op(*self.args, **self.kwargs))):
             torch.ops._c10d_functional.wait_tensor(value)
             if target is not None:
                 target.copy_(value)
