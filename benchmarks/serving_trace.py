@@ -1,11 +1,13 @@
 """A serving trace through the reference decoder: the default capture list against
-capture sizes "auto", and "auto" under a graph_memory_budget of half the default's pool.
+capture sizes "auto", and both under a graph_memory_budget of half the default's pool.
 
-The trace (seeded) is a stream of decode steps whose batch is the number of
-running sequences: quiet periods where it wanders over a handful of small sizes
-the default list pads (3, 5, 6, 11, 13, 20), and rare bursts to large sizes
-(150..200). Every variant decodes the same trace, captures included (each captures on
-first use, as a server does), and is timed over the whole trace. One-time costs
+The trace is `graphopt bench`'s (`graphopt/bench/serving.py`, seeded): decode steps
+whose batch is the number of running sequences, wandering over a handful of small
+sizes the default list pads (3, 5, 6, 11, 13, 20), with rare bursts to 150..200.
+`graphopt bench --workloads serving` replays it for every contender, outputs checked
+against eager's; this script adds the budget and a fresh process's view: every
+variant is built anew and decodes the trace once, captures included (each captures
+on first use, as a server does), timed over the whole trace. One-time costs
 (loading the host tape's extension, Inductor's caches) are paid by an untimed run
 first, and the variants run `--rounds` times in turn; the best round counts.
 
@@ -16,7 +18,6 @@ first, and the variants run `--rounds` times in turn; the best round counts.
 from __future__ import annotations
 
 import argparse
-import random
 import time
 
 import torch
@@ -24,24 +25,8 @@ from rich.console import Console
 from rich.table import Table
 
 import graphopt
+from graphopt.bench.serving import MAX_NUM_SEQS, POSITIONS, trace
 from graphopt.models import Decoder, DecoderConfig
-
-QUIET_SIZES = (3, 5, 6, 11, 13, 20)
-
-
-def trace(steps: int, seed: int = 0, burst_every: int = 400, burst_length: int = 6) -> list[int]:
-    """Batch sizes of `steps` decode steps: a random walk over QUIET_SIZES, and a
-    burst of `burst_length` steps at a random size in 150..200 about every `burst_every`."""
-    rng = random.Random(seed)
-    batches, here = [], 2
-    while len(batches) < steps:
-        if rng.random() < 1 / burst_every:
-            batches += [rng.randint(150, 200)] * burst_length
-            continue
-        if rng.random() < 0.1:
-            here = min(max(here + rng.choice((-1, 1)), 0), len(QUIET_SIZES) - 1)
-        batches.append(QUIET_SIZES[here])
-    return batches[:steps]
 
 
 def run(step, model: Decoder, batches: list[int], device: str) -> float:
@@ -52,7 +37,7 @@ def run(step, model: Decoder, batches: list[int], device: str) -> float:
     start = time.perf_counter()
     for i, batch in enumerate(batches):
         ids = torch.randint(0, vocab, (batch,), device=device)
-        step(ids, torch.full((batch,), i % 16, device=device), torch.arange(batch, device=device))
+        step(ids, torch.full((batch,), i % POSITIONS, device=device), torch.arange(batch, device=device))
     if device == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
@@ -70,9 +55,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = Decoder(getattr(DecoderConfig, args.config)(max_num_seqs=256)).eval().to(args.device)
+    config = getattr(DecoderConfig, args.config)(max_num_seqs=MAX_NUM_SEQS, max_seq_len=POSITIONS)
+    model = Decoder(config).eval().to(args.device)
     batches = trace(args.steps, args.seed)
-    base = dict(graph_opt_level=args.level, max_num_seqs=256, cache_dir=None)
+    base = dict(graph_opt_level=args.level, max_num_seqs=MAX_NUM_SEQS, cache_dir=None)
 
     auto = {**base, "cudagraph_capture_sizes": "auto"}
     with torch.inference_mode():

@@ -333,3 +333,51 @@ def test_profile_flag_writes_each_contenders_classes(tmp_path):
     assert set(profiles) == {"eager", "graphopt L1", "ONNX Runtime"}
     assert all(p["conv"] > 0 for p in profiles.values())  # every one of them spends time in convolutions
     assert "resnet, batch 4: where the time goes, by op class" in stdout.getvalue()
+
+
+@pytest.fixture(scope="module")
+def serving_run(tmp_path_factory):
+    """A --quick run of the serving trace by eager, the default capture list and "auto":
+    (exit code, stdout, the serving workload's JSON)."""
+    out = tmp_path_factory.mktemp("serving")
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(io.StringIO()):
+        code = main(["bench", "--quick", "--workloads", "serving", "--contenders", "eager,L1+graphs,L1+auto",
+                     "--threads", "1", "--markdown", "--no-startup", "--out", str(out)])
+    return code, stdout.getvalue(), json.loads((out / "bench.json").read_text())["workloads"]["serving"]
+
+
+def test_serving_trace_is_seeded_quiet_sizes_with_rare_bursts():
+    from graphopt.bench.serving import BURST_SIZES, QUIET_SIZES, checked, trace
+
+    batches = trace(3000)
+    assert batches == trace(3000) and batches != trace(3000, seed=1) and len(batches) == 3000
+    bursts = [b for b in batches if b not in QUIET_SIZES]
+    assert set(batches) - set(bursts) == set(QUIET_SIZES)
+    assert bursts and all(BURST_SIZES[0] <= b <= BURST_SIZES[1] for b in bursts) and len(bursts) < 0.05 * 3000
+    kept = checked(batches)
+    first_of_burst = [i for i, b in enumerate(batches) if b in bursts and (i == 0 or batches[i - 1] != b)]
+    assert all(kept[i] for i in first_of_burst) and all(kept[::50])
+    assert sum(kept) == len(set(range(0, 3000, 50)) | set(first_of_burst))
+
+
+def test_serving_auto_sizes_pad_less_than_the_default_list_with_outputs_equal_to_eager(serving_run):
+    code, stdout, serving = serving_run
+    assert code == 0
+    (case,) = serving["cases"]
+    rows = {row["contender"]: row for row in case["rows"]}
+    assert set(rows) == {"eager", "graphopt L1 + host graphs", "graphopt L1 + host graphs, auto sizes"}
+    assert all(row["outputs_equal"] for row in rows.values()), rows
+    default, auto = rows["graphopt L1 + host graphs"]["graphs"], rows["graphopt L1 + host graphs, auto sizes"]["graphs"]
+    assert rows["eager"]["graphs"] is None
+    assert default["steps"] == auto["steps"] == 400  # the checked run is one replay of the whole trace
+    # The default list pads 3, 5, 6, 11, 13 and 20 to 4, 8, 8, 16, 16 and 24; "auto" captures
+    # the quiet sizes it sees most and leaves the rare bursts without a graph.
+    assert auto["padded_rows"] * 2 <= default["padded_rows"]
+    assert auto["captures"] <= default["captures"] and auto["pool_bytes"] <= default["pool_bytes"]
+    assert set(auto["sizes"]) <= {3, 5, 6, 11, 13, 20} and max(default["sizes"]) >= 150
+    assert 0.85 <= auto["replayed_share"] < 1.0 and default["replayed_share"] == 1.0
+    assert "**serving, trace of 400 steps, batches 3..193: device graphs**" in stdout
+    table = stdout.split("device graphs**", 1)[1]
+    assert "| contender | throughput | padded rows | replayed | captures | capture s | pool MiB |" in table
+    assert "| graphopt L1 + host graphs, auto sizes | " in table and f"| {auto['padded_rows']:,} | " in table

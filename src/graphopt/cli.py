@@ -208,8 +208,9 @@ def _bench_parser(commands: argparse._SubParsersAction) -> None:
                         metavar="W,...", help=f"workloads to run: {', '.join(bench.WORKLOADS)} (default: "
                                               f"{', '.join(usual)})")
     parser.add_argument("--large", action="store_true",
-                        help=f"also run the large workloads ({', '.join(bench.LARGE)}): a ResNet-18 and a "
-                             "BERT-base-sized encoder, minutes each at one thread")
+                        help=f"also run the large workloads ({', '.join(bench.LARGE)}): a ResNet-18, a "
+                             "BERT-base-sized encoder and a serving trace of 3000 decode steps, minutes each "
+                             "at one thread")
     parser.add_argument("--contenders", type=_names(keys), default=keys, metavar="C,...",
                         help=f"contenders to run: {', '.join(keys)} (default: all; compile-ro is CUDA only)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",

@@ -17,6 +17,8 @@ from ..api import optimize
 from ..config import GraphOptimizationConfig
 from ..config_checks import EXECUTORS
 from ..executors import onnxruntime_session, openvino_runner, quiet_export
+from ..report import Report
+from .measure import GraphFigures
 from .workloads import Step, Workload
 
 
@@ -37,6 +39,7 @@ class Contender:
     tuned: bool = False       # graphopt with frozen weights and Inductor's autotuned GEMMs (TUNED)
     frozen: bool = False      # graphopt with freeze_parameters=True (folded and packed weights)
     engines: bool = False     # and executors= the installed engines: each stateless graph on the fastest
+    auto_sizes: bool = False  # cudagraph_capture_sizes="auto": capture sizes chosen from the traffic
 
     @property
     def competitor(self) -> bool:
@@ -61,6 +64,9 @@ def contenders(device: str) -> list[Contender]:
     for level in (0, 1, 2):
         found.append(Contender(f"L{level}", f"graphopt L{level}", "graphopt", level))
         found.append(Contender(f"L{level}+graphs", f"graphopt L{level} + {graphs}", "graphopt", level, True))
+        if level == 1:  # the workload's capture list against sizes chosen from the traffic
+            found.append(Contender("L1+auto", f"graphopt L1 + {graphs}, auto sizes", "graphopt", 1, True,
+                                   auto_sizes=True))
     found.append(Contender("L1+frozen", "graphopt L1 frozen", "graphopt", 1, frozen=True))
     found.append(Contender("L1+engines", "graphopt L1 + engines", "graphopt", 1, frozen=True, engines=True))
     # Level 2's defaults with freeze_parameters: the GEMMs on packed weights where they win.
@@ -89,8 +95,9 @@ def build(contender: Contender, workload: Workload, device: str) -> Step:
             raise Unavailable("the engines of executors= run on the CPU here; left out with --device cuda")
         if contender.engines:
             extra["executors"] = [e for e in EXECUTORS if importlib.util.find_spec(e) is not None]
+        sizes = "auto" if contender.auto_sizes else workload.capture_sizes
         config = GraphOptimizationConfig(graph_opt_level=contender.level, use_cudagraph=contender.device_graphs,
-                                         cudagraph_capture_sizes=workload.capture_sizes, **extra)
+                                         cudagraph_capture_sizes=sizes, **extra)
         return workload.bind(lambda target: optimize(target, config, pad_values=workload.pad_values))
     if contender.kind == "openvino":
         return _openvino(workload, device)
@@ -193,14 +200,38 @@ def _key(args: tuple[torch.Tensor, ...]) -> tuple:
     return tuple((tuple(a.shape), a.dtype) for a in args)
 
 
+def report_of(step: Step) -> Report:
+    """A graphopt step's report (the step, or for a workload that wraps `forward`, its forward's)."""
+    found: Callable | None = getattr(step, "report", None) or getattr(step.forward, "report", None)
+    return found()
+
+
+def graph_counts(step: Step, contender: Contender) -> tuple[int, int, int] | None:
+    """(steps, steps replayed, padded rows) so far of a graphopt step with device graphs; None for others."""
+    if contender.kind != "graphopt" or not contender.device_graphs:
+        return None
+    report = report_of(step)
+    return report.steps, report.steps_replayed, report.padded_rows
+
+
+def graph_figures(step: Step, contender: Contender, before: tuple[int, int, int] | None) -> GraphFigures | None:
+    """What `step`'s device graphs did since `graph_counts` gave `before`, and hold now."""
+    now = graph_counts(step, contender)
+    if now is None or before is None:
+        return None
+    report = report_of(step)
+    steps, replayed, padded = (a - b for a, b in zip(now, before))
+    return GraphFigures(steps, replayed, padded, len(report.captures), report.capture_seconds, report.pool_bytes,
+                        sorted({c.size for c in report.captures if c.size is not None}))
+
+
 def describe(step: Step, contender: Contender) -> tuple[str, list[str]]:
     """What a graphopt step's report says about its device graphs: a short note (how
     many were captured and replayed, or that it fell back) and the fallbacks' reasons,
     which are long and go below the table."""
     if contender.kind != "graphopt":
         return "", []
-    report_of: Callable | None = getattr(step, "report", None) or getattr(step.forward, "report", None)
-    report = report_of()
+    report = report_of(step)
     reasons = [reason for reason in report.fallbacks if reason.startswith("use_cudagraph")]
     if not contender.device_graphs:
         return (f"{len(report.graphs)} graph{'s' * (len(report.graphs) != 1)}" if report.graphs else ""), []

@@ -19,6 +19,25 @@ EAGER = "eager"
 
 
 @dataclass
+class GraphFigures:
+    """What a graphopt contender's device graphs did on a case. `steps`, `replayed`
+    and `padded_rows` count the checked run alone (the last warm-up run, whose output
+    is compared with eager's); the rest is the step's state after it."""
+
+    steps: int                # calls of the runtime graphs in the checked run
+    replayed: int             # of those, calls whose every captured piece replayed
+    padded_rows: int          # rows added to reach a capture size
+    captures: int
+    capture_s: float
+    pool_bytes: int
+    sizes: list[int]          # the capture sizes captured so far
+
+    @property
+    def replayed_share(self) -> float:
+        return self.replayed / self.steps if self.steps else 0.0
+
+
+@dataclass
 class Row:
     """One contender on one case. `times_us` holds one figure per round: µs per run
     of the case. The ratios are filled in by `fill_ratios` once every row is in."""
@@ -34,6 +53,7 @@ class Row:
     vs_eager: float = float("nan")            # eager's time / this one's: > 1 is faster than eager
     vs_competitor: float = float("nan")       # the best competitor's time / this one's
     vs_floor: float | None = None             # this time / the GEMM floor: >= 1, 1 is the floor
+    graphs: GraphFigures | None = None        # graphopt with device graphs: what they did
 
     @property
     def median_us(self) -> float:
@@ -54,6 +74,7 @@ class CaseResult:
     floor_how: str = ""
     best_competitor: str = ""
     profiles: dict[str, dict[str, float]] = field(default_factory=dict)  # --profile: contender -> class shares
+    graph_table: bool = False     # the case is a trace: its rows' GraphFigures get a table of their own
 
 
 def tolerance(dtype: torch.dtype) -> tuple[float, float]:
@@ -105,12 +126,16 @@ def _clone(output: Any) -> Any:
     return tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, output)
 
 
-def warm_up(run: Callable[[], Any], warmups: int, tick: Callable[[str], None]) -> Any:
+def warm_up(run: Callable[[], Any], warmups: int, tick: Callable[[str], None],
+            before_last: Callable[[], None] = lambda: None) -> Any:
     """Call `run` (a contender's run of a case) `warmups` times, which compiles and
-    captures, and return the last output: a replay, once device graphs are captured."""
+    captures, and return the last output: a replay, once device graphs are captured.
+    `before_last` is called before that last run (the checked one)."""
     with torch.inference_mode():
         for i in range(warmups):
             tick(f"warm-up {i + 1}/{warmups}")
+            if i == warmups - 1:
+                before_last()
             output = _clone(run())
     return output
 

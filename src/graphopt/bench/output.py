@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +115,26 @@ def startup_cells(startup: dict[str, dict[str, Any]], device: str) -> Cells:
     return table
 
 
+GRAPHS_CAPTION = ("graphopt with device graphs on the checked run (the last warm-up run, its output compared "
+                  "with eager's): padded rows added to reach a capture size, steps whose graphs all replayed; "
+                  "captures (recaptures included), their seconds and the graph pools' bytes after it; "
+                  "throughput of the median timed run")
+
+
+def graph_cells(result: CaseResult) -> Cells:
+    """One row per graphopt contender with device graphs: what its graphs did on the case."""
+    table = Cells(["contender", "throughput", "padded rows", "replayed", "captures", "capture s", "pool MiB"])
+    for row in result.rows:
+        if row.graphs is None:
+            continue
+        found = row.graphs
+        table.rows.append([row.contender, f"{result.items / (row.median_us * 1e-6):,.0f} {result.unit}/s",
+                           f"{found.padded_rows:,}", f"{found.replayed_share:.1%}", str(found.captures),
+                           f"{found.capture_s:.2f}", f"{found.pool_bytes / 2**20:.2f}"])
+        table.mismatched.append(not row.outputs_equal)
+    return table
+
+
 PROFILE_CAPTION = ("share of one run: torch's profiler (each op's own time) for torch's contenders, ONNX "
                    "Runtime's session profiling for it; 'outside ops' is framework overhead and code no "
                    "profiler names an op (Inductor's C++ kernels, an engine behind executors)")
@@ -168,7 +188,10 @@ def to_json(setup: dict[str, Any], workloads: dict[str, dict[str, Any]]) -> str:
                           "best_us": r.best_us, "times_us": [round(t, 2) for t in r.times_us],
                           "vs_eager": r.vs_eager, "vs_best_competitor": r.vs_competitor,
                           "vs_floor": r.vs_floor, "outputs_equal": r.outputs_equal, "max_abs_diff": r.max_diff,
-                          "note": r.note, "reasons": r.reasons, "warmup_s": r.warmup_s} for r in result.rows],
+                          "note": r.note, "reasons": r.reasons, "warmup_s": r.warmup_s,
+                          "graphs": None if r.graphs is None else {**asdict(r.graphs), "replayed_share":
+                                                                    r.graphs.replayed_share}}
+                         for r in result.rows],
                 "profiles": result.profiles}
 
     out = {name: {**found, "cases": [case(r) for r in found["cases"]]} for name, found in workloads.items()}
@@ -222,6 +245,8 @@ def present(results: list[WorkloadResult], setup: dict[str, Any], out: Path, as_
                f"> 1 is faster · outputs within rtol/atol {tolerance_text(setup)} of eager's")
     for result in results:
         tables = [(result.title, caption, result_cells(result.cases, wide))]
+        tables.extend((f"{result.name}, {case.case}: device graphs", GRAPHS_CAPTION, graph_cells(case))
+                      for case in result.cases if case.graph_table and any(r.graphs for r in case.rows))
         tables.extend((f"{result.name}, {case.case}: where the time goes, by op class", PROFILE_CAPTION,
                        profile_cells(case.profiles)) for case in result.cases if case.profiles)
         if result.startup:

@@ -16,7 +16,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .contenders import Contender, OnnxStep, Unavailable, build, contenders, describe
+from .contenders import (Contender, OnnxStep, Unavailable, build, contenders, describe, graph_counts,
+                         graph_figures)
 from .measure import (EAGER, CaseResult, Row, compare, fill_ratios, gemm_floor, interleaved_rounds,
                       tolerance, warm_up)
 from .profile import profile_case
@@ -98,13 +99,15 @@ def _case(case: Case, steps: dict[str, Step], kinds: dict[str, Contender], optio
     """Warm up and check every step on `case`, then time them all in interleaved
     rounds. A step that raises loses its row here and in later cases (removed from
     `steps`), and `skipped` says why."""
-    outputs, runs, warmup_s = {}, {}, {}
+    outputs, runs, warmup_s, graphs = {}, {}, {}, {}
     more(len(steps) * WARMUPS)
     for name, step in list(steps.items()):
         runs[name] = case.runner(step)
         start = time.perf_counter()
+        before: list[tuple[int, int, int] | None] = []  # the device graphs' counts before the checked run
         try:
-            outputs[name] = warm_up(runs[name], WARMUPS, lambda what: tick(f"{name}: {what}"))
+            outputs[name] = warm_up(runs[name], WARMUPS, lambda what: tick(f"{name}: {what}"),
+                                    lambda: before.append(graph_counts(step, kinds[name])))
         except Exception as error:  # a contender that breaks loses its row, never the whole run
             if name == EAGER:
                 raise
@@ -113,6 +116,7 @@ def _case(case: Case, steps: dict[str, Step], kinds: dict[str, Contender], optio
             del steps[name], runs[name]
             continue
         warmup_s[name] = time.perf_counter() - start
+        graphs[name] = graph_figures(step, kinds[name], before[0])
     floor, floor_us, floor_how = gemm_floor(case, options.device)
     if floor is not None:
         runs["GEMM floor"] = floor
@@ -120,12 +124,13 @@ def _case(case: Case, steps: dict[str, Step], kinds: dict[str, Contender], optio
     times = interleaved_rounds(runs, options.rounds, options.device, options.target_s, tick)
     if floor is not None:
         floor_us = statistics.median(times.pop("GEMM floor"))
-    result = CaseResult(case.name, case.unit, case.items, floor_us=floor_us, floor_how=floor_how)
+    result = CaseResult(case.name, case.unit, case.items, floor_us=floor_us, floor_how=floor_how,
+                        graph_table=case.graph_table)
     for name, step in steps.items():
         equal, diff = (True, 0.0) if name == EAGER else compare(outputs[name], outputs[EAGER])
         note, reasons = describe(step, kinds[name])
         result.rows.append(Row(name, kinds[name].competitor, times[name], equal, diff, note, reasons,
-                               warmup_s[name]))
+                               warmup_s[name], graphs=graphs[name]))
     fill_ratios(result)
     if options.profile:
         tick("profiling by op class")

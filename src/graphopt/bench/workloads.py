@@ -34,6 +34,7 @@ class Case:
     unit: str
     gemm_weights: list[torch.Tensor] = field(default_factory=list)  # set for a decode step: its GEMM floor
     gemm_batch: int = 0
+    graph_table: bool = False  # a trace: graphopt's device graphs on it get a table of their own
 
     def runner(self, step: Step) -> Callable[[], Any]:
         """One run of this case by `step`, on its own copy of the inputs: graphopt
@@ -262,8 +263,15 @@ def bert_base(sizes: Sizes) -> Workload:
     return Workload("bert-base", title, model, cases, capture_sizes=[c.items for c in cases])
 
 
+def serving(sizes: Sizes) -> Workload:
+    """A serving trace of a few thousand decode steps (serving.py)."""
+    from .serving import serving as trace_workload
+
+    return trace_workload(sizes)
+
+
 WORKLOADS: dict[str, Callable[[Sizes], Workload]] = {
     "decoder": decoder, "hf-llama": hf_llama, "resnet": resnet, "bert": bert,
-    "resnet18": resnet18, "bert-base": bert_base}
+    "resnet18": resnet18, "bert-base": bert_base, "serving": serving}
 # Run only when named or with `graphopt bench --large`: minutes each at one thread.
-LARGE = ("resnet18", "bert-base")
+LARGE = ("resnet18", "bert-base", "serving")
