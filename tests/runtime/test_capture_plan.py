@@ -79,6 +79,21 @@ def test_traffic_decays_and_forgets_a_size_nobody_asks_for():
     assert traffic.seen == {4: 1}
 
 
+def test_a_recurring_burst_is_kept_longer_each_time_it_returns():
+    """A burst at 24 rows every 20 plans: forgotten after 3 plans, then kept 6, 12,
+    24 plans on its returns, so it is captured 4 times over 40 bursts, not 40."""
+    interval, traffic, sizes, captures = 8, Traffic(), (), 0
+    for period in range(40):
+        for calls, batch in enumerate([24] * 8 + [3] * (20 * interval - 8), 1):
+            traffic.observe(batch)
+            if calls % interval == 0:
+                new = plan(traffic.fold(), limit=32, warmups=1, padding=True, captured=frozenset(sizes)).sizes
+                captures += 24 in new and 24 not in sizes
+                sizes = new
+    assert captures == 4 and traffic.returns[24] == 3
+    assert 24 in sizes  # still kept: its hold (24 plans) outlasts the period
+
+
 @pytest.mark.parametrize("bad, error", [("all", TypeError), (0, ValueError), (1.5, TypeError)])
 def test_config_keys_are_validated(bad, error):
     with pytest.raises(error, match="capture_replan_interval|cudagraph_capture_sizes"):

@@ -21,7 +21,9 @@ whose pool would not fit the memory budget, are never candidates. Without paddin
 its steps pay for its capture.
 
 Traffic decays by half at each plan and forgets a size whose weight falls below
-`FORGET_BELOW`: a size nobody has asked for in a few plans is released.
+`FORGET_BELOW`: a size nobody has asked for in a few plans is released. A size that
+comes back after it was forgotten (a burst that recurs) is kept twice as long each
+time it returns, so a periodic burst is captured a few times, not once per period.
 """
 
 from __future__ import annotations
@@ -162,9 +164,12 @@ class Traffic:
     weights: dict[int, float] = field(default_factory=dict)
     seen: Counter = field(default_factory=Counter)
     window: Counter = field(default_factory=Counter)
+    returns: Counter = field(default_factory=Counter)  # times a size came back after it was forgotten
 
     def observe(self, batch: int) -> None:
         self.window[batch] += 1
+        if self.seen[batch] and batch not in self.weights and self.window[batch] == 1:
+            self.returns[batch] += 1
         self.seen[batch] += 1
 
     def fold(self) -> dict[int, float]:
@@ -172,9 +177,14 @@ class Traffic:
         weights = {b: w * DECAY for b, w in self.weights.items()}
         for b, n in self.window.items():
             weights[b] = weights.get(b, 0.0) + n
-        self.weights = {b: w for b, w in sorted(weights.items()) if w >= FORGET_BELOW}
+        self.weights = {b: w for b, w in sorted(weights.items()) if w >= self.forget_below(b)}
         self.window.clear()
         return self.weights
+
+    def forget_below(self, batch: int) -> float:
+        """The weight under which `batch` is forgotten: after 3 plans without it, then
+        6, 12, ... plans for each time it came back."""
+        return FORGET_BELOW * DECAY ** (3 * (2 ** self.returns[batch] - 1))
 
 
 class TrafficStore:
