@@ -46,27 +46,36 @@ def main() -> int:
     parser.add_argument("--level", type=int, default=1, choices=[0, 1, 2])
     parser.add_argument("--config", default="billion", choices=["tiny", "small", "bench", "billion"])
     parser.add_argument("--largest-only", action="store_true", help="capture the largest size alone")
+    parser.add_argument("--sizes", default=None, help="comma-separated capture sizes instead of vLLM's 35")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("cuda_capture.py needs a CUDA GPU", file=sys.stderr)
         return 2
     model, config = build(args.config)
-    sizes = SIZES[-1:] if args.largest_only else SIZES
+    sizes = [int(n) for n in args.sizes.split(",")] if args.sizes else SIZES
+    sizes = sizes[-1:] if args.largest_only else sizes
     options = graphopt.GraphOptimizationConfig(graph_opt_level=args.level, use_cudagraph=True,
-                                               cudagraph_capture_sizes=sizes, max_num_seqs=max(SIZES))
+                                               cudagraph_capture_sizes=sizes, max_num_seqs=max(sizes))
     start = time.perf_counter()
     opt = graphopt.optimize(model, options, pad_values={"slots": model.scratch_slot})
     with torch.no_grad():
         opt(*inputs(config, 8))  # the compile
     torch.cuda.synchronize()
     compiled = time.perf_counter()
-    opt.capture_all(*inputs(config, 8))
+    print(f"compiled: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated", flush=True)
+    try:
+        opt.capture_all(*inputs(config, 8))
+    except torch.OutOfMemoryError:
+        # Where the memory went, for the next run to read: live blocks by size, largest first.
+        print(torch.cuda.memory_summary(abbreviated=True), flush=True)
+        print([(c.size, round(c.nbytes / 2**20)) for c in opt.report().captures], flush=True)
+        raise
     torch.cuda.synchronize()
     captured = time.perf_counter()
     report = opt.report()
     worst, agree, checked = 0.0, 0, 0
-    for batch in ([] if args.largest_only else sorted(set(SIZES[:6] + SIZES[-2:] + PADDED))):
+    for batch in ([] if args.largest_only else sorted({*sizes[:6], *sizes[-2:], *(p for p in PADDED if p < sizes[-1])})):
         step = inputs(config, batch)
         with torch.no_grad():
             expected = model(*step).float()
@@ -82,6 +91,7 @@ def main() -> int:
         "largest_graph_mib": round(max((c.nbytes for c in report.captures), default=0) / 2**20, 1),
         "max_abs_logit_diff": round(worst, 4), "argmax_agree": f"{agree}/{checked}",
         "fallbacks": report.fallbacks,
+        "per_size": [(c.size, round(c.nbytes / 2**20, 1), round(c.seconds, 3)) for c in report.captures],
     }
     print(json.dumps(figures, indent=1))
     if args.json:

@@ -141,6 +141,19 @@ def test_compare_allows_rounding_but_not_wrong_values_shapes_or_tokens():
     assert compare(x.bfloat16() * 1.02, x.bfloat16())[0]  # bfloat16 tolerance
 
 
+def test_half_precision_outputs_are_judged_against_a_float32_run():
+    """Deep bfloat16 models round differently step by step: a contender as far from
+    the float32 run as eager is passes though it differs from eager by more than any
+    fixed tolerance; one twice as far and more fails."""
+    generator = torch.Generator().manual_seed(0)
+    truth = torch.randn(256, generator=generator) * 4
+    noise = torch.randn(256, generator=generator).abs() * 0.2
+    eager, other_rounding = (truth + noise).bfloat16(), (truth - noise).bfloat16()
+    assert not compare(other_rounding, eager)[0]  # 0.4 apart: beyond bfloat16's fixed tolerance
+    assert compare(other_rounding, eager, truth)[0]
+    assert not compare((truth + 3 * noise.max()).bfloat16(), eager, truth)[0]
+
+
 def test_decode_step_floor_is_its_linears_on_cpu_and_weight_bytes_over_bandwidth_on_cuda(monkeypatch):
     workload = decoder(Sizes(quick=True, device="cpu"))
     step_case = next(c for c in workload.cases if c.name == "decode step, batch 16")

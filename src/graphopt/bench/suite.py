@@ -18,8 +18,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from .contenders import (Contender, OnnxStep, Unavailable, build, contenders, describe, graph_counts,
                          graph_figures)
-from .measure import (EAGER, CaseResult, Row, compare, fill_ratios, gemm_floor, interleaved_rounds,
-                      tolerance, warm_up)
+from .measure import (EAGER, HALF_ERROR_FACTOR, CaseResult, Row, compare, fill_ratios, gemm_floor,
+                      interleaved_rounds, output_tolerance, warm_up)
 from .profile import profile_case
 from .startup import measure_startup
 from .workloads import WORKLOADS, Case, Sizes, Step
@@ -81,9 +81,10 @@ def _workload(name: str, chosen: list[Contender], options: Options, tick: Callab
             steps[contender.name] = build(contender, workload, options.device)
         except Unavailable as why:
             result.skipped[contender.name] = str(why)
+    truth = workload.in_float32()
     for case in workload.cases:
         result.cases.append(_case(case, steps, kinds, options, result.skipped,
-                                  lambda what: tick(f"{case.name}: {what}"), more))
+                                  lambda what: tick(f"{case.name}: {what}"), more, truth))
     if options.startup:
         more(2 * len(steps))
         for contender_name in steps:
@@ -95,11 +96,16 @@ def _workload(name: str, chosen: list[Contender], options: Options, tick: Callab
 
 
 def _case(case: Case, steps: dict[str, Step], kinds: dict[str, Contender], options: Options,
-          skipped: dict[str, str], tick: Callable[[str], None], more: Callable[[int], None]) -> CaseResult:
+          skipped: dict[str, str], tick: Callable[[str], None], more: Callable[[int], None],
+          truth_step: Step | None = None) -> CaseResult:
     """Warm up and check every step on `case`, then time them all in interleaved
     rounds. A step that raises loses its row here and in later cases (removed from
-    `steps`), and `skipped` says why."""
+    `steps`), and `skipped` says why. `truth_step`: the model in float32, which a
+    half-precision contender's output is judged against (`compare`)."""
     outputs, runs, warmup_s, graphs = {}, {}, {}, {}
+    truth = None
+    if truth_step is not None:
+        truth = warm_up(case.runner(truth_step, torch.float32), WARMUPS, lambda what: tick(f"float32: {what}"))
     more(len(steps) * WARMUPS)
     for name, step in list(steps.items()):
         runs[name] = case.runner(step)
@@ -127,7 +133,7 @@ def _case(case: Case, steps: dict[str, Step], kinds: dict[str, Contender], optio
     result = CaseResult(case.name, case.unit, case.items, floor_us=floor_us, floor_how=floor_how,
                         graph_table=case.graph_table)
     for name, step in steps.items():
-        equal, diff = (True, 0.0) if name == EAGER else compare(outputs[name], outputs[EAGER])
+        equal, diff = (True, 0.0) if name == EAGER else compare(outputs[name], outputs[EAGER], truth)
         note, reasons = describe(step, kinds[name])
         result.rows.append(Row(name, kinds[name].competitor, times[name], equal, diff, note, reasons,
                                warmup_s[name], graphs=graphs[name]))
@@ -155,7 +161,8 @@ def setup(options: Options) -> dict[str, Any]:
         "device": options.device, "device_name": _device_name(options.device), "threads": options.threads,
         "quick": options.quick, "rounds": options.rounds, "warmups": WARMUPS, "python": platform.python_version(),
         "torch": torch.__version__, "workloads": options.workloads, "contenders": options.contenders,
-        "tolerance": {str(d): tolerance(d) for d in (torch.float32, torch.bfloat16)},
+        "tolerance": {str(torch.float32): output_tolerance(torch.float32)},
+        "half_error_factor": HALF_ERROR_FACTOR,
         "statistic": "median of rounds (best also given); ratios of medians",
     }
     for package in ("transformers", "onnxruntime", "onnx", "openvino"):

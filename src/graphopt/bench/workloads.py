@@ -36,11 +36,17 @@ class Case:
     gemm_batch: int = 0
     graph_table: bool = False  # a trace: graphopt's device graphs on it get a table of their own
 
-    def runner(self, step: Step) -> Callable[[], Any]:
+    def runner(self, step: Step, dtype: torch.dtype | None = None) -> Callable[[], Any]:
         """One run of this case by `step`, on its own copy of the inputs: graphopt
         marks the batch dim of the tensors it is given as dynamic, and a plain
-        torch.compile handed those same tensors would then compile again."""
-        inputs = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, self.inputs)
+        torch.compile handed those same tensors would then compile again. `dtype`:
+        floating-point inputs cast to it (for the model in float32)."""
+        def own(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            return x.to(dtype) if dtype is not None and x.is_floating_point() else x.clone()
+
+        inputs = tree_map(own, self.inputs)
         return lambda: self.call(step, inputs)
 
 
@@ -59,6 +65,13 @@ class Workload:
     exact: bool = False                  # outputs are tokens: equal, not close
     onnx_unsupported: str | None = None  # why ONNX Runtime cannot run it, when it cannot
     wraps_forward: bool = False
+
+    def in_float32(self) -> Step | None:
+        """The model run eagerly in float32, when it runs in half precision: the truth
+        that eager's and each contender's rounding are measured against."""
+        if self.exact or not any(p.dtype in (torch.float16, torch.bfloat16) for p in self.model.parameters()):
+            return None
+        return copy.deepcopy(self.model).float()
 
     def bind(self, wrap: Callable[[Callable], Step]) -> Step:
         """A contender's step. Every contender gets its own copy of the model (same
