@@ -19,10 +19,10 @@ repeated. `key` and `value` may have any strides. Lengths are read from `positio
 when the op runs, so one captured device graph serves every length.
 
 On the CPU the kernel is C++ (`decode_attention.cpp`), built on first use for the
-machine's vector ISA and registered with the dispatcher; where it cannot be built,
-and on other devices, the op runs `_reference`: torch's SDPA under a mask built from
-the positions (on CUDA its flash or efficient kernel) after gathering whole cache rows,
-until a Triton kernel reads them in place.
+machine's vector ISA and registered with the dispatcher; on CUDA it is Triton
+(`decode_attention_triton.py`), compiled on first use. Where neither can run, the op
+runs `_reference`: torch's SDPA under a mask built from the positions, after gathering
+whole cache rows.
 """
 
 from __future__ import annotations
@@ -104,3 +104,25 @@ def _decode_attention(query, key, value, slots, positions, scale, allowed=None):
 
 
 _LIB.impl("decode_attention", _decode_attention, "CompositeExplicitAutograd")
+
+
+@functools.cache
+def triton_unavailable() -> str | None:
+    """Why CUDA calls run `_reference` (None: the Triton kernel runs them)."""
+    try:
+        from . import decode_attention_triton  # noqa: F401
+    except ImportError as error:
+        log.warning("graphopt: decode_attention runs torch's SDPA on CUDA, Triton is unavailable: %s", error)
+        return f"Triton is unavailable ({error})"
+    return None
+
+
+def _decode_attention_cuda(query, key, value, slots, positions, scale, allowed=None):
+    if triton_unavailable() is not None:
+        return _reference(query, key, value, slots, positions, scale, allowed)
+    from .decode_attention_triton import decode_attention
+
+    return decode_attention(query, key, value, slots, positions, scale, allowed)
+
+
+_LIB.impl("decode_attention", _decode_attention_cuda, "CUDA")
