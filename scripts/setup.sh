@@ -2,7 +2,9 @@
 # The package accepts any torch >= 2.11. By default (GRAPHOPT_TORCH=pinned) the venv
 # is .venv and torch is pinned through constraints.txt to the CPU build this project's
 # machines carry on disk. GRAPHOPT_TORCH=newest uses .venv-newest, without the pin,
-# and upgrades torch to the newest release pip resolves.
+# and upgrades torch to the newest release pip resolves. GRAPHOPT_TORCH=oldest uses
+# .venv-oldest with the oldest torch the package accepts (2.11.0, a CUDA build that
+# runs on the CPU, as on the project's GPU machine).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 extras="${1:-}"
@@ -10,7 +12,8 @@ pip=(--quiet --disable-pip-version-check)
 case "${GRAPHOPT_TORCH:-pinned}" in
     pinned) venv=.venv; pin=(-c constraints.txt) ;;
     newest) venv=.venv-newest; pin=() ;;
-    *) echo "GRAPHOPT_TORCH=${GRAPHOPT_TORCH}: expected 'pinned' or 'newest'" >&2; exit 2 ;;
+    oldest) venv=.venv-oldest; pin=(torch==2.11.0) ;;
+    *) echo "GRAPHOPT_TORCH=${GRAPHOPT_TORCH}: expected 'pinned', 'newest' or 'oldest'" >&2; exit 2 ;;
 esac
 if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
