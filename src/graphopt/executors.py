@@ -107,7 +107,7 @@ class Choice:
 
 def _not_stateless(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> str | None:
     """Why `gm` cannot leave torch (the first reason), or None."""
-    fake_mode, fakes = _compat.backend_fakes(example_inputs, gm)
+    fake_mode, fakes = _compat.backend_fakes(example_inputs)
     if fake_mode is None:
         return "it was not compiled by torch.compile (no fake mode to inspect it in)"
     watcher = _StateWatcher(fakes)

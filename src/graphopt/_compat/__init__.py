@@ -201,27 +201,15 @@ def fake_mode_of(gm: torch.fx.GraphModule) -> Any:
     return detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
 
 
-def backend_fakes(example_inputs: Sequence[Any], gm: torch.fx.GraphModule | None = None) -> tuple[Any, list[Any]]:
+def backend_fakes(example_inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
     """The fake mode a compiler backend traces in, and `example_inputs` as its fake
-    values (with the symbolic sizes Dynamo gave them); (None, []) outside one.
-    With `gm`, the fake values Dynamo recorded on its placeholders come first:
-    torch 2.11's `from_tensor` of a real input gives it fresh sizes, not Dynamo's
-    symbols."""
+    values (with the symbolic sizes Dynamo gave them); (None, []) outside one."""
     from torch._guards import detect_fake_mode
 
     mode = detect_fake_mode(list(example_inputs))
     if mode is None:
         return None, []
-    recorded = [p.meta.get("example_value") for p in gm.graph.find_nodes(op="placeholder")] if gm is not None else []
-    fakes = []
-    for i, x in enumerate(example_inputs):
-        known = recorded[i] if i < len(recorded) else None
-        if isinstance(x, torch.Tensor):
-            same = isinstance(known, torch.Tensor) and is_fake(known) and known.fake_mode is mode
-            fakes.append(known if same else mode.from_tensor(x))
-        else:
-            fakes.append(known if isinstance(known, torch.SymInt) else x)
-    return mode, fakes
+    return mode, [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
 
 
 def symbolic_dispatch() -> Any:

@@ -40,7 +40,7 @@ class GraphFindings:
 
 def fake_run(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], splitting_ops: Iterable[str],
              batches: Iterable[tuple] = (), rowwise_ops: Iterable[str] = ()) -> GraphFindings:
-    fake_mode, fakes = _compat.backend_fakes(example_inputs, gm)
+    fake_mode, fakes = _compat.backend_fakes(example_inputs)
     if fake_mode is None:
         raise RuntimeError("graphopt's runtime needs the fake mode Dynamo compiles in; "
                            "call the Backend from torch.compile")

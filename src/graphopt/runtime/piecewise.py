@@ -72,6 +72,6 @@ def compile_pieces(split_gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
                 split_gm.__dict__[target] = replacement  # found before the submodule of that name
             return output
 
-    fake_mode, fakes = _compat.backend_fakes(example_inputs, split_gm)
+    fake_mode, fakes = _compat.backend_fakes(example_inputs)
     with fake_mode, _compat.symbolic_dispatch():
         _Compiler(split_gm).run(*fakes)
