@@ -394,3 +394,16 @@ def test_serving_auto_sizes_pad_less_than_the_default_list_with_outputs_equal_to
     table = stdout.split("device graphs**", 1)[1]
     assert "| contender | throughput | padded rows | replayed | captures | capture s | pool MiB |" in table
     assert "| graphopt L1 + host graphs, auto sizes | " in table and f"| {auto['padded_rows']:,} | " in table
+
+
+def test_isolated_contenders_each_run_in_their_own_process_and_merge_into_one_table():
+    from graphopt.bench import Options, run_isolated
+
+    options = Options(["decoder"], ["eager", "L0", "L1"], quick=True, rounds=1, startup=False)
+    (workload,) = run_isolated(options)
+    for case in workload.cases:
+        rows = {row.contender: row for row in case.rows}
+        assert list(rows) == ["eager", "graphopt L0", "graphopt L1"], case.case
+        assert all(row.outputs_equal and row.vs_eager > 0 for row in rows.values())
+    with pytest.raises(RuntimeError, match="no process reported .*its process failed: KeyError"):
+        run_isolated(Options(["no-such-workload"], ["eager", "L0"], quick=True, rounds=1, startup=False))

@@ -228,6 +228,9 @@ def _bench_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--startup", action=argparse.BooleanOptionalAction, default=None,
                         help="measure cold and warm start-up and peak memory in fresh processes "
                              "(default: on, off with --quick)")
+    parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                        help="run each contender (with eager) in a process of its own, so a crash loses only "
+                             "its rows (default: on with --device cuda, off on the CPU)")
     parser.add_argument("--threads", type=_int_in(1), default=None, metavar="N",
                         help="torch threads (default: torch's choice; 1 is steadiest on a shared machine)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/bench"), metavar="DIR",
@@ -262,7 +265,8 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     console = Console()
     if not console.is_terminal:
         console = Console(width=220)  # in a log or a pipe, --wide's columns unwrapped
-    results = bench.run(options, console)
+    isolate = args.device == "cuda" if args.isolate is None else args.isolate
+    results = bench.run_isolated(options) if isolate else bench.run(options, console)
     return bench.write(results, options, args.out, args.markdown, console, args.docs, args.wide)
 
 

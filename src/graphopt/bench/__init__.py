@@ -7,6 +7,7 @@ contenders.py eager, torch.compile, graphopt levels with and without device grap
 measure.py    warm-up, interleaved rounds, output checks, ratios, the GEMM floor
 startup.py    cold and warm start-up and peak memory, in fresh processes
 suite.py      each workload through every contender
+isolate.py    each contender in a process of its own (--isolate, the default on CUDA)
 output.py     rich and Markdown tables, bench.json, bench.png
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 from rich.console import Console
 
 from .contenders import contenders
+from .isolate import run_isolated
 from .output import measured_section, present
 from .suite import Options, WorkloadResult, run, setup
 from .workloads import LARGE, WORKLOADS
@@ -28,4 +30,4 @@ def write(results: list[WorkloadResult], options: Options, out: Path, as_markdow
     return present(results, setup(options), out, as_markdown, console, docs, wide)
 
 
-__all__ = ["LARGE", "WORKLOADS", "Options", "WorkloadResult", "contenders", "measured_section", "run", "write"]
+__all__ = ["LARGE", "WORKLOADS", "Options", "WorkloadResult", "contenders", "measured_section", "run", "run_isolated", "write"]
