@@ -32,7 +32,8 @@ def on_capture_stream(device: torch.device) -> Iterator[torch.cuda.Stream]:
 
 class CudaPool:
     """A graph pool that lives as long as this object: `id` is the pool's handle,
-    and `anchor`, an empty graph captured into it, holds it open. A pool is freed
+    and `anchor`, a one-kernel graph captured into it and never replayed, holds it
+    open (an empty capture draws torch's warning). A pool is freed
     when its last graph is reset, and capturing into its handle again then fails an
     allocator assertion (torch 2.11: in the device allocator and in the pinned host
     allocator); graphopt resets and captures a pool's graphs again (recapture,
@@ -41,10 +42,12 @@ class CudaPool:
     def __init__(self, device: torch.device, handle: Any = None):
         self.device = device
         self.id = handle if handle is not None else torch.cuda.graph_pool_handle()
-        self.anchor = torch.cuda.CUDAGraph()
+        self.anchor, scratch = torch.cuda.CUDAGraph(), torch.zeros(1, device=device)
         with on_capture_stream(device):
             self.anchor.capture_begin(pool=self.id)
+            scratch.add_(1)
             self.anchor.capture_end()
+        self.scratch = scratch  # what the anchor's kernel writes, kept as long as the anchor
 
 
 _primed = threading.local()
