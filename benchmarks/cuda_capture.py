@@ -75,7 +75,8 @@ def main() -> int:
     captured = time.perf_counter()
     report = opt.report()
     worst, agree, checked = 0.0, 0, 0
-    for batch in ([] if args.largest_only else sorted({*sizes[:6], *sizes[-2:], *(p for p in PADDED if p < sizes[-1])})):
+    checked = sorted({*sizes[:6], *sizes[-2:], *(p for p in PADDED if p < sizes[-1])})
+    for batch in ([] if args.largest_only else checked):
         step = inputs(config, batch)
         with torch.no_grad():
             expected = model(*step).float()

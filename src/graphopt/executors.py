@@ -112,7 +112,7 @@ def _not_stateless(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> s
         return "it was not compiled by torch.compile (no fake mode to inspect it in)"
     watcher = _StateWatcher(fakes)
     try:
-        with fake_mode, _compat.symbolic_dispatch(), watcher:
+        with _compat.fake_tracing(fake_mode), watcher:
             outputs = gm(*fakes)
     except Exception as error:  # noqa: BLE001 - unknown state: it stays with graphopt
         return f"it could not be run on fake tensors to look for state ({type(error).__name__})"

@@ -11,6 +11,7 @@ import torch
 import graphopt
 from graphopt.config import tolerance
 from graphopt.models import Decoder, DecoderConfig, generate
+from support import decode_inputs
 
 ops = torch.ops.graphopt
 
@@ -27,10 +28,8 @@ def twins(dtype=torch.float32):
     return eager, model
 
 
-def step_inputs(batch, position=5):
-    generator = torch.Generator().manual_seed(batch)
-    ids = torch.randint(0, DecoderConfig.tiny().vocab_size, (batch,), generator=generator)
-    return ids.cuda(), torch.full((batch,), position).cuda(), torch.arange(batch).cuda()
+def step_inputs(batch):
+    return tuple(x.cuda() for x in decode_inputs(batch))
 
 
 def device_graphs(model, level, **kw):

@@ -11,12 +11,13 @@ Dynamo, AOTAutograd, Inductor and shapes; `patterns.py` Inductor's pattern match
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import re
 import sys
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch._dynamo
@@ -212,14 +213,16 @@ def backend_fakes(example_inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
     return mode, [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
 
 
-def symbolic_dispatch() -> Any:
-    """A context in which ops on fake tensors keep symbolic sizes, as under Dynamo and
-    AOTAutograd: composite ops (linear's 3-D fold) decompose in Python with
-    `sym_size`. Without it torch 2.11 reads a C++ `sizes()`, which specialises the
-    batch symbol to the traced value for the rest of the compile."""
+@contextlib.contextmanager
+def fake_tracing(fake_mode: Any) -> Iterator[None]:
+    """Run ops on fake tensors in `fake_mode` as Dynamo and AOTAutograd do, under the
+    Python dispatcher: composite ops (linear's 3-D fold) then decompose in Python
+    with `sym_size`. Without it torch 2.11 reads a C++ `sizes()`, which specialises
+    the batch symbol to the traced value for the rest of the compile."""
     from torch._dispatch.python import enable_python_dispatcher
 
-    return enable_python_dispatcher()
+    with fake_mode, enable_python_dispatcher():
+        yield
 
 
 def outside_fake_mode() -> Any:

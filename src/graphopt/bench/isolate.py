@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import queue as queues
-import traceback
 from typing import Any
 
+from ..report import first_line
 from .measure import EAGER, fill_ratios
 from .suite import Options, WorkloadResult
 
@@ -73,8 +73,7 @@ def _child(options: Options, queue: Any) -> None:
     try:
         queue.put((run(options, Console(quiet=True)), None))
     except BaseException as error:  # noqa: BLE001 - reported to the parent, which goes on
-        last = traceback.format_exception_only(type(error), error)[-1].strip()
-        queue.put((None, f"its process failed: {last[:200]}"))
+        queue.put((None, f"its process failed: {type(error).__name__}: {first_line(error)[:200]}"))
 
 
 def _add_rows(merged: list[WorkloadResult], results: list[WorkloadResult]) -> None:

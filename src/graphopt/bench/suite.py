@@ -16,6 +16,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ..report import first_line
 from .contenders import (Contender, OnnxStep, Unavailable, build, contenders, describe, graph_counts,
                          graph_figures)
 from .measure import (EAGER, HALF_ERROR_FACTOR, CaseResult, Row, compare, fill_ratios, gemm_floor,
@@ -117,8 +118,7 @@ def _case(case: Case, steps: dict[str, Step], kinds: dict[str, Contender], optio
         except Exception as error:  # a contender that breaks loses its row, never the whole run
             if name == EAGER:
                 raise
-            first_line = (str(error).strip().splitlines() or [""])[0][:200]
-            skipped[name] = f"failed on {case.name}: {type(error).__name__}: {first_line}"
+            skipped[name] = f"failed on {case.name}: {type(error).__name__}: {first_line(error)[:200]}"
             del steps[name], runs[name]
             continue
         warmup_s[name] = time.perf_counter() - start

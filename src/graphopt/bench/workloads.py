@@ -118,7 +118,8 @@ def _manual_seed(seed: int) -> torch.Generator:
 
 def decoder(sizes: Sizes) -> Workload:
     """The reference decoder: a mixed stream of decode batch sizes (what a serving
-    engine's scheduler produces), and the decode step alone at batch 1 and 16."""
+    engine's scheduler produces), and the decode step alone at batch 1 and 16 (on
+    CUDA: the 1.1B-parameter `billion()` config, batches 1, 8 and 32)."""
     generator = _manual_seed(0)
     config = sizes.pick(DecoderConfig.tiny(dtype=sizes.dtype), DecoderConfig.small(dtype=sizes.dtype),
                         DecoderConfig.billion(dtype=sizes.dtype))
@@ -149,7 +150,8 @@ def decoder(sizes: Sizes) -> Workload:
                           gemm_weights=linears, gemm_batch=batch))
     title = (f"reference decoder: hidden {config.hidden_size}, {config.num_layers} layers, "
              f"{config.num_heads}/{config.num_kv_heads} heads, vocab {config.vocab_size}, {config.dtype}")
-    return Workload("decoder", title, model, cases, capture_sizes=sizes.pick([1, 2, 4, 8, 16], [1, 2, 4, 8, 16], [1, 2, 4, 8, 16, 24, 32]),
+    capture_sizes = sizes.pick([1, 2, 4, 8, 16], [1, 2, 4, 8, 16], [1, 2, 4, 8, 16, 24, 32])
+    return Workload("decoder", title, model, cases, capture_sizes=capture_sizes,
                     pad_values={"slots": model.scratch_slot},
                     onnx_unsupported="its step writes the KV cache buffers in place, and an exported "
                                      "ONNX graph keeps no state between runs")

@@ -46,7 +46,7 @@ def fake_run(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], splitting_
                            "call the Backend from torch.compile")
     rows = [BatchRows(symbols, fakes, set(rowwise_ops)) for symbols in batches]
     watcher = _OpWatcher(set(splitting_ops), fakes, rows)
-    with fake_mode, _compat.symbolic_dispatch(), watcher:
+    with _compat.fake_tracing(fake_mode), watcher:
         outputs = _NodeInterpreter(gm, watcher).run(*fakes)
     for state in rows:
         if state.why is None:

@@ -73,5 +73,5 @@ def compile_pieces(split_gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
             return output
 
     fake_mode, fakes = _compat.backend_fakes(example_inputs)
-    with fake_mode, _compat.symbolic_dispatch():
+    with _compat.fake_tracing(fake_mode):
         _Compiler(split_gm).run(*fakes)
