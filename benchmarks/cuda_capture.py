@@ -14,7 +14,10 @@ capture sizes and at padded sizes between them.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import json
+import pstats
 import sys
 import time
 
@@ -48,6 +51,7 @@ def main() -> int:
     parser.add_argument("--largest-only", action="store_true", help="capture the largest size alone")
     parser.add_argument("--sizes", default=None, help="comma-separated capture sizes instead of vLLM's 35")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
+    parser.add_argument("--profile", action="store_true", help="print where capture_all() spends its time")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("cuda_capture.py needs a CUDA GPU", file=sys.stderr)
@@ -63,9 +67,12 @@ def main() -> int:
         opt(*inputs(config, 8))  # the compile
     torch.cuda.synchronize()
     compiled = time.perf_counter()
+    reserved = torch.cuda.memory_reserved()
     print(f"compiled: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated", flush=True)
+    profile = cProfile.Profile() if args.profile else contextlib.nullcontext()
     try:
-        opt.capture_all(*inputs(config, 8))
+        with torch.no_grad(), profile:  # a step that records autograd is not captured
+            opt.capture_all(*inputs(config, 8))
     except torch.OutOfMemoryError:
         # Where the memory went, for the next run to read: live blocks by size, largest first.
         print(torch.cuda.memory_summary(abbreviated=True), flush=True)
@@ -73,24 +80,29 @@ def main() -> int:
         raise
     torch.cuda.synchronize()
     captured = time.perf_counter()
+    grown = torch.cuda.memory_reserved() - reserved
+    if args.profile:
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(35)
+    print(f"captured: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated", flush=True)
     report = opt.report()
-    worst, agree, checked = 0.0, 0, 0
-    checked = sorted({*sizes[:6], *sizes[-2:], *(p for p in PADDED if p < sizes[-1])})
-    for batch in ([] if args.largest_only else checked):
+    worst, agree, rows = 0.0, 0, 0
+    batches = sorted({*sizes[:6], *sizes[-2:], *(p for p in PADDED if p < sizes[-1])})
+    for batch in ([] if args.largest_only else batches):
         step = inputs(config, batch)
         with torch.no_grad():
             expected = model(*step).float()
-        got = opt(*step).float()
+            got = opt(*step).float()
         worst = max(worst, (got - expected).abs().max().item())
         agree += int((got.argmax(-1) == expected.argmax(-1)).sum())
-        checked += batch
+        rows += batch
     figures = {
         "level": args.level, "config": args.config, "sizes": len(sizes), "device": torch.cuda.get_device_name(),
         "torch": torch.__version__, "compile_s": round(compiled - start, 2),
         "capture_all_s": round(captured - compiled, 2), "captures": len(report.captures),
         "pool_mib": round(report.pool_bytes / 2**20, 1),
         "largest_graph_mib": round(max((c.nbytes for c in report.captures), default=0) / 2**20, 1),
-        "max_abs_logit_diff": round(worst, 4), "argmax_agree": f"{agree}/{checked}",
+        "reserved_growth_mib": round(grown / 2**20, 1),  # pool and output blocks: what the captures took
+        "max_abs_logit_diff": round(worst, 4), "argmax_agree": f"{agree}/{rows}",
         "fallbacks": report.fallbacks,
         "per_size": [(c.size, round(c.nbytes / 2**20, 1), round(c.seconds, 3)) for c in report.captures],
     }

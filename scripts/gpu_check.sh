@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA checks (issue 31) in one go, on a GPU machine where torch is installed and
 # nothing can be fetched: run from the source tree. Every CUDA test file runs in its own
-# process (four at a time) and every benchmark in its own process, each under its own
-# time limit, so one crash or hang cannot hide the rest. Results go to $OUT (or
+# process (three at a time, beside the benchmarks) and every benchmark in its own
+# process, each under its own time limit, so one crash or hang cannot hide the rest. Results go to $OUT (or
 # ./gpu-out): summary.txt, and results.tgz with every log and JSON.
 #
 #   bash scripts/gpu_check.sh [tests|bench|all] [seconds for the whole run, default 540]
@@ -38,14 +38,14 @@ step() {
 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 } >"$summary" 2>&1
 
-if [[ $phase == tests || $phase == all ]]; then
-    files=${TESTS:-$(grep -rlE "mark\.cuda|marks=pytest\.mark\.cuda" tests --include='test_*.py' | sort)}
+run_tests() {
+    local files=${TESTS:-$(grep -rlE "mark\.cuda|marks=pytest\.mark\.cuda" tests --include='test_*.py' | sort)}
     export -f step left; export logs summary deadline py
     # test_cuda_path.py first: it is the longest.
     printf '%s\n' $(echo "$files" | grep cuda_path) $(echo "$files" | grep -v cuda_path) |
-        xargs -P 4 -I{} bash -c 'name=test-$(basename {} .py); step "$name" 300 \
+        xargs -P 3 -I{} bash -c 'name=test-$(basename {} .py); step "$name" 300 \
             $py -m pytest -m cuda -q -p no:cacheprovider -o addopts= {} --junitxml="$logs/$name.xml"'
-fi
+}
 
 bench() {
     case $1 in
@@ -53,18 +53,24 @@ bench() {
         capture-L2) step "$1" 200 $py benchmarks/cuda_capture.py --level 2 --json "$logs/$1.json" ;;
         capture-L1-largest) step "$1" 90 $py benchmarks/cuda_capture.py --level 1 --largest-only \
             --json "$logs/$1.json" ;;
+        capture-L1-profile) step "$1" 150 $py benchmarks/cuda_capture.py --level 1 --profile ;;
+        kernels-L*) step "$1" 150 $py benchmarks/cuda_kernels.py --level "${1#kernels-L}" --batches 1,32 ;;
         bench-*) step "$1" 200 $py -m graphopt bench --device cuda --workloads decoder --no-startup \
             --rounds 5 --contenders "eager,${1#bench-}" --out "$logs/$1" --wide ;;
         *) echo "$1: no such benchmark" >>"$summary" ;;
     esac
 }
 
+# "all": the tests beside the benchmarks (they slow a launch-bound eager row a little;
+# on a lease of minutes, one after the other leaves the last benchmarks no time).
+[[ $phase == tests || $phase == all ]] && { if [[ $phase == all ]]; then run_tests & else run_tests; fi; }
 if [[ $phase == bench || $phase == all ]]; then
-    for name in ${BENCH:-capture-L1 capture-L1-largest bench-L1+graphs bench-compile-ro bench-L2+graphs \
+    for name in ${BENCH:-capture-L1 capture-L1-largest bench-L2+graphs bench-compile-ro bench-L1+graphs \
                            bench-compile capture-L2}; do
         bench "$name"
     done
 fi
+wait
 
 cp "$summary" "$out/summary.txt"
 tar czf "$out/results.tgz" -C "$logs" .

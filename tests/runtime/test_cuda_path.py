@@ -45,16 +45,35 @@ def test_every_capture_size_and_every_padded_size_replays_eager_logits(level):
     atol, rtol = tolerance(torch.float32)
     for batch in range(1, 9):  # 3, 5, 6 and 7 pad up to the next capture size
         inputs = step_inputs(batch)
-        with torch.no_grad():
+        with torch.no_grad():  # a step that records autograd is not captured
             expected = eager(*inputs)
-        for call in range(4):  # two warm-ups, the capture, a replay
-            torch.testing.assert_close(opt(*inputs), expected, atol=atol, rtol=rtol,
-                                       msg=lambda m: f"batch {batch}, call {call}: {m}")
+            for call in range(4):  # two warm-ups, the capture, a replay
+                torch.testing.assert_close(opt(*inputs), expected, atol=atol, rtol=rtol,
+                                           msg=lambda m: f"batch {batch}, call {call}: {m}")
     report = opt.report()
     assert {c.size for c in report.captures} == set(SIZES)
     assert report.replays >= 8
     assert not [r for r in report.fallbacks if "refused" in r or "capture" in r], report.fallbacks
     torch.cuda.synchronize()
+
+
+def test_every_capture_size_hands_out_its_logits_in_one_block():
+    """Graphs of one pool copy their outputs into one block per output (graph_outputs.py),
+    so the pool holds no size's logits between replays. Batch 1 is a graph of its own
+    (Dynamo specialises a size of 1), with its own block."""
+    eager, model = twins()
+    opt = device_graphs(model, 1)
+    atol, rtol = tolerance(torch.float32)
+    blocks = {}
+    with torch.no_grad():
+        opt.capture_all(*step_inputs(8))
+        for batch in SIZES:
+            inputs = step_inputs(batch)
+            got = opt(*inputs)
+            torch.testing.assert_close(got, eager(*inputs), atol=atol, rtol=rtol)
+            blocks[batch] = got.untyped_storage().data_ptr()
+    assert blocks[2] == blocks[4] == blocks[8] != blocks[1]
+    assert opt.report().replays == len(SIZES)
 
 
 @pytest.mark.parametrize("level", [1, 2])
@@ -75,8 +94,8 @@ def test_bfloat16_decoder_replays_within_bfloat16_tolerance():
         inputs = step_inputs(batch)
         with torch.no_grad():
             expected = eager(*inputs)
-        for _ in range(4):
-            got = opt(*inputs)
+            for _ in range(4):
+                got = opt(*inputs)
         torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=rtol)
     assert opt.report().replays > 0
 

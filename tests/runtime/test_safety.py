@@ -167,3 +167,35 @@ def test_cuda_pageable_copy_is_refused_and_pinned_is_not():
         device_buffer.copy_(pinned, non_blocking=True)
     torch.cuda.synchronize()
     torch.testing.assert_close(device_buffer.cpu(), pinned)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("level", [0, 1])
+def test_a_step_that_records_autograd_is_not_captured_and_its_gradients_stay_right(device, level):
+    """A replay would hand out the captured outputs, whose grad_fn reads saved
+    activations the next replay overwrites: such a step runs uncaptured, says why,
+    and its gradients are eager's; the same step under no_grad is captured."""
+    import graphopt
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(device)
+    config = graphopt.GraphOptimizationConfig(graph_opt_level=level, use_cudagraph=True,
+                                              cudagraph_capture_sizes=[2, 4], cudagraph_num_of_warmups=1)
+    opt = graphopt.optimize(model, config)
+    for _ in range(4):
+        x = torch.randn(3, 8, device=device)
+        model.zero_grad()
+        opt(x).square().sum().backward()
+        ours = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        model(x).square().sum().backward()
+        for got, expected in zip(ours, (p.grad for p in model.parameters())):
+            torch.testing.assert_close(got, expected)
+    report = opt.report()
+    assert report.replays == 0
+    assert any("records autograd history" in reason and "torch.no_grad()" in reason for reason in report.fallbacks)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(3, 8, device=device)
+            torch.testing.assert_close(opt(x), model(x))
+    assert opt.report().replays > 0

@@ -86,13 +86,18 @@ def _reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot
         keep = keep & (torch.arange(s, device=query.device) <= positions.expand(b, t)[..., None])
     if allowed is not None:
         keep = keep & allowed
-    # Additive finfo.min, not a boolean mask: a query left with no key then averages its
-    # row, as the C++ kernel does (a boolean mask gives NaN there).
+    # A query left with no key averages its whole row (what eager softmax gives under a
+    # finfo.min mask, and what the kernels do); SDPA's CUDA kernels give zeros there
+    # instead, so such a query attends to every key and its output is replaced below.
+    none = ~keep.any(-1, keepdim=True)
     mask = torch.zeros(keep.shape, dtype=query.dtype, device=query.device).masked_fill(
-        ~keep, torch.finfo(query.dtype).min)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[:, None], scale=scale,
-                                         enable_gqa=key.shape[1] != query.shape[1])
-    return out.contiguous()
+        ~(keep | none), torch.finfo(query.dtype).min)
+    gqa = key.shape[1] != query.shape[1]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[:, None], scale=scale, enable_gqa=gqa)
+    average = value.float().mean(2, keepdim=True).to(value.dtype)  # [b, kv, 1, d]
+    if gqa:
+        average = average.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+    return torch.where(none[:, None], average, out).contiguous()
 
 
 def _decode_attention(query, key, value, slots, positions, scale, allowed=None):

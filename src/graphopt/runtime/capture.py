@@ -18,7 +18,8 @@ A host graph is captured on a private alias of each static argument that is not
 a parameter, so that rebinding moves the alias and never the caller's tensor,
 which keeps its memory and is not written again. The first run (any key)
 checks the callable for ops a device graph cannot replay; one found refuses
-capture for good, with the op and the user's line in the report. It also notes
+capture for good, with the op and the user's line in the report; so do outputs
+that require grad (a replay cannot rebuild their autograd history). It also notes
 the process groups the callable communicates over: then each capture ends with
 the ranks agreeing that every one of them captured (`ranks.py`), and if one
 failed, every rank runs the callable without device graphs from then on.
@@ -45,8 +46,13 @@ from .._compat.names import tree_leaves
 from ..config import GraphOptimizationConfig
 from ..report import BudgetRefusal, CaptureRecord, PieceRecord, Report
 from .device_graph import DeviceGraph, PoolBudgetExceeded, graph_pool_handle, warmup_stream
+from .graph_outputs import GraphOutputs, layouts
 from .ranks import ranks_captured
 from .safety import CaptureGuard
+
+_RECORDS_AUTOGRAD = ("the step records autograd history (grad mode is on and its outputs require grad), "
+                     "which a device graph cannot replay: call it under torch.inference_mode() or "
+                     "torch.no_grad(), or give the parameters requires_grad=False")
 
 _key: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("graphopt_graph_key", default=None)
 
@@ -88,6 +94,7 @@ class _Entry:
     graph: DeviceGraph | None = None
     inputs: list[tuple] = field(default_factory=list)  # (index, tensor the capture read, how a new one is taken)
     outputs: Any = None                               # what every replay writes
+    layouts: list = field(default_factory=list)       # the last warm-up's outputs (graph_outputs.layouts)
     refused: bool = False                             # graph_memory_budget refused its capture
 
 
@@ -111,6 +118,7 @@ class CapturedGraph:
         self.owns_outputs = False  # the last call's outputs live in a device graph's memory
         self.replayed = False  # the last call replayed a device graph
         self.refused_sizes: set[int] = set()  # sizes graph_memory_budget refused
+        self.graph_outputs = GraphOutputs()  # CUDA graphs of a shared pool: their outputs' blocks
 
     def __call__(self, *args: Any) -> Any:
         key = _key.get()
@@ -139,7 +147,9 @@ class CapturedGraph:
         if entry.warmups_left > 0:
             entry.warmups_left -= 1
             with warmup_stream(_device(args)):
-                return self.fn(*args)
+                outputs = self.fn(*args)
+            entry.layouts = layouts(outputs, args)
+            return outputs
         return self._capture(key, entry, args)
 
     def _first_run(self, key: tuple, args: tuple) -> Any:
@@ -150,9 +160,15 @@ class CapturedGraph:
         self.checked = True
         self.groups = guard.groups
         self.entries[key].warmups_left -= 1
+        self.entries[key].layouts = layouts(outputs, args)
         if guard.problems:
             first = guard.problems[0]
             self.refused = f"{first.op} at {first.location}: {first.message}"
+        elif any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(outputs)):
+            # A replay rewrites the saved activations under the captured outputs' grad_fn,
+            # so a backward through them would read another step's values.
+            self.refused = _RECORDS_AUTOGRAD
+        if self.refused is not None:
             self.report.fallback(f"use_cudagraph: capture of {self.name} refused: {self.refused}")
         return outputs
 
@@ -166,10 +182,15 @@ class CapturedGraph:
         hows = [_how(a, static) for a, static in zip(args, self.static)]
         if graph.rebinds:
             args = tuple(_alias(a) if how == "rebind" else a for a, how in zip(args, hows))
+        copy_out = self.pool.shared and not graph.executes_during_capture
+        if copy_out:
+            self.graph_outputs.reserve(entry.layouts, device)
         outputs, error = None, None
         graph.capture_begin()
         try:
             outputs = self.fn(*args)
+            if copy_out:
+                outputs = self.graph_outputs.copy_out(outputs, entry.layouts)
             graph.capture_end([t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)],
                               max_growth=None if limit is None else limit - self._own_bytes())
         except PoolBudgetExceeded as over:

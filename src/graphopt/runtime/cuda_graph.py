@@ -21,13 +21,22 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
+@functools.cache
+def _stream_lock(device: torch.device) -> threading.RLock:
+    return threading.RLock()
+
+
 @contextlib.contextmanager
 def on_capture_stream(device: torch.device) -> Iterator[torch.cuda.Stream]:
+    """Run on the device's capture stream, one thread at a time: a thread's warm-up
+    or capture on the stream another thread is capturing on would join (or break)
+    that capture (cudaErrorStreamCaptureIsolation)."""
     stream = capture_stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        yield stream
-    torch.cuda.current_stream(device).wait_stream(stream)
+    with _stream_lock(device):
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            yield stream
+        torch.cuda.current_stream(device).wait_stream(stream)
 
 
 class CudaPool:
@@ -87,9 +96,9 @@ class CudaGraph:
 
     def capture_begin(self) -> None:
         prime_libraries(self.device)
-        torch.cuda.synchronize(self.device)
         context = contextlib.ExitStack()
         context.enter_context(on_capture_stream(self.device))
+        torch.cuda.synchronize(self.device)
         context.enter_context(CaptureGuard())
         self._context = context
         self._allocated = torch.cuda.memory_allocated(self.device)
@@ -107,8 +116,10 @@ class CudaGraph:
             self.graph.capture_end()
         finally:
             self._close()
-        self.nbytes = max(torch.cuda.memory_allocated(self.device) - self._allocated, 0)
         self.pool_growth = max(_reserved(self.device) - self._reserved, 0)
+        # A graph of a shared pool copies its outputs out (graph_outputs.py) and holds
+        # nothing allocated after its capture: what it cost is what the pool reserved.
+        self.nbytes = max(torch.cuda.memory_allocated(self.device) - self._allocated, self.pool_growth)
         if max_growth is not None and self.pool_growth > max_growth:
             needed = self.pool_growth
             self.reset()
