@@ -27,7 +27,7 @@ from . import _compat, cache, executors, modes, recompiles
 from ._compat import autotune
 from ._compat import cache as compat_cache
 from ._compat import recompile as compat_recompile
-from ._compat import traces as compat_traces
+from ._compat import trace_graph
 from ._compat.names import RECOMPILE_LIMIT
 from .backend_cache import BackendCache, GraphSpec, NotStorable, device_type
 from .config import GraphOptimizationConfig
@@ -239,7 +239,7 @@ class Backend:
                    **self.config.inductor_compile_config}
         # With the cache on, AOTAutograd's entry holds the compiled code itself, so a
         # stored trace can carry it (traces.py).
-        with compat_traces.bundled_inductor_cache() if key is not None else contextlib.nullcontext(), \
+        with trace_graph.bundled_inductor_cache() if key is not None else contextlib.nullcontext(), \
                 autotune.gemm_choices() as gemms:
             compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, self.cache.pass_uuid(), options)
             if key is not None and not optimized and stored is None:
@@ -259,13 +259,14 @@ class Backend:
             self.repackables.append(compiled)
         return compiled
 
-    def stored(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> compat_traces.Stored:
+    def compile_for_trace(self, gm: torch.fx.GraphModule,
+                          example_inputs: Sequence[Any]) -> trace_graph.TraceGraph:
         """The backend of a stored trace (traces.py): `gm` compiled as `__call__`
-        compiles it, as a `Stored` that also says how a later process builds it again
+        compiles it, as a `TraceGraph` that also says how a later process builds it again
         (or, in `why`, why it cannot: the trace then serves this process only)."""
         runtime, spec = self.compile(gm, example_inputs)
         if isinstance(spec, str):
-            return compat_traces.Stored(None, runtime, why=spec)
+            return trace_graph.TraceGraph(None, runtime, why=spec)
         entry = self.cache.load(spec.key)
         why = None
         if entry is None:
@@ -273,9 +274,9 @@ class Backend:
         elif spec.level == 1 and entry["direct"] is None:
             why = "AOTAutograd's runtime wrapper does more than call its graph"
         elif spec.level == 2:
-            spec.inductor = compat_traces.bundled_inductor(_innermost(runtime))
+            spec.inductor = trace_graph.bundled_inductor(_innermost(runtime))
             why = None if spec.inductor is not None else "AOTAutograd's cache kept no serializable entry of its code"
-        return compat_traces.Stored(None if why else spec, runtime, why=why)
+        return trace_graph.TraceGraph(None if why else spec, runtime, why=why)
 
     def rebuild(self, spec: GraphSpec) -> Callable:
         """In a later process: the callable `__call__` returned for the graph of
@@ -293,7 +294,7 @@ class Backend:
         if spec.level == 1:
             compiled = compat_cache.call_like_aot(cache.load_graph(stored["lowered"]), stored["direct"])
         else:
-            compiled = compat_traces.load_inductor(spec.inductor)
+            compiled = trace_graph.load_inductor(spec.inductor)
         self._restore(stored, record)
         record.compile_seconds = time.perf_counter() - start
         record.traced = False

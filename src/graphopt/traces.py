@@ -33,7 +33,8 @@ from typing import Any, Callable
 import torch
 from . import cache
 from ._compat import recompile as compat_recompile
-from ._compat import traces as compat
+from ._compat import trace_graph
+from ._compat import traces as dynamo_traces
 from .backend import Backend
 
 MISS = object()       # what `StoredTraces.__call__` returns for a call Dynamo must run
@@ -62,7 +63,7 @@ class _Trace:
     def ready(self) -> bool:
         return self.traced is not None and self.check is not None and self.bound
 
-    def stored(self) -> dict:
+    def to_entry(self) -> dict:
         return {"data": self.data, "identities": self.identities, "inference_mode": self.inference_mode}
 
 
@@ -71,7 +72,7 @@ class StoredTraces:
     kwargs)` marks the batch dims of a call's inputs dynamic before it is traced."""
 
     def __init__(self, fn: Callable, backend: Backend, identity_of_step: str, mark: Callable):
-        traced = compat.traced_function(fn)
+        traced = dynamo_traces.traced_function(fn)
         self.function, self.bound_to = traced or (type(fn).forward, None)
         self.module = fn if isinstance(fn, torch.nn.Module) else None
         self.backend = backend
@@ -79,15 +80,15 @@ class StoredTraces:
         self.cache = cache.CompileCache(backend.config.cache_dir, backend.report())
         self.key = cache.cache_key("stored traces", identity_of_step, _qualified(self.function))
         self.globals = self.function.__globals__  # a decorator's wrapper: its own module's, not __module__'s
-        self.frame = compat.frame_binder(self.function)  # every trace's guards read the same locals
+        self.frame = dynamo_traces.frame_binder(self.function)  # every trace's guards read the same locals
         self.traces: list[_Trace] | None = None     # read from the cache on the first call
-        self.untraceable: str | None = compat.unsupported() or (
+        self.untraceable: str | None = dynamo_traces.unsupported() or (
             None if traced else "its module's call is more than its forward method")
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         """The step's result, from a trace that fits the call or from a new one; MISS
         where Dynamo's own dispatch must run the call."""
-        if self.module is not None and compat.has_forward_hooks(self.module):
+        if self.module is not None and dynamo_traces.has_forward_hooks(self.module):
             return MISS
         full = args if self.bound_to is None else (self.bound_to, *args)
         trace = self._fitting(full, kwargs, ready_only=True)
@@ -95,13 +96,13 @@ class StoredTraces:
             # Loading, building and tracing under Dynamo's compile lock: one thread
             # at a time, as Dynamo compiles frames; a thread that waited finds what
             # the one before it traced.
-            with compat.compile_lock():
+            with dynamo_traces.compile_lock():
                 if self.traces is None:
                     self._read()
                 trace = self._fitting(full, kwargs, ready_only=False) or self._trace(args, full, kwargs)
             if trace is None:
                 return MISS
-        return compat.run(trace.traced, full, kwargs)
+        return dynamo_traces.run(trace.traced, full, kwargs)
 
     def _read(self) -> None:
         entry = self.cache.load(self.key) or {"traces": [], "unstorable": None}
@@ -127,7 +128,7 @@ class StoredTraces:
     def _fits(self, trace: _Trace, frame: dict) -> bool:
         """Its guards pass, the objects under its identity guards are the ones it
         was traced with, and its graph is built."""
-        if not compat.guards_pass(trace.traced, frame):
+        if not dynamo_traces.guards_pass(trace.traced, frame):
             return False
         if trace.check is None:
             trace.objects = self._found(trace, frame)
@@ -137,9 +138,9 @@ class StoredTraces:
         if not _holds(trace.check, frame, self.globals):
             return False
         if not trace.bound:
-            stored = compat.stored_callable(trace.traced)
+            graph = dynamo_traces.trace_graph_of(trace.traced)
             try:
-                stored.bind(self.backend.rebuild(stored.spec))
+                graph.bind(self.backend.rebuild(graph.spec))
             except Exception as error:  # noqa: BLE001 - a graph that cannot be built costs a new trace
                 self._refuse(trace, _why(error))
                 return False
@@ -150,11 +151,11 @@ class StoredTraces:
     def _load(self, trace: _Trace) -> bool:
         try:
             with torch.inference_mode(trace.inference_mode):
-                traced = compat.loads(trace.data, self.function)
+                traced = dynamo_traces.loads(trace.data, self.function)
         except Exception as error:  # noqa: BLE001 - an entry this torch cannot load is traced again
             self._refuse(trace, _why(error))
             return False
-        changed = compat.changed_source(traced)
+        changed = dynamo_traces.changed_source(traced)
         if changed is not None:
             self._refuse(trace, f"the source of {changed} changed since it was traced")
             return False
@@ -189,7 +190,7 @@ class StoredTraces:
         objects: dict[str, Any] = {}
         problems: list[str] = []
         try:
-            traced, unstorable = compat.trace(self.function, full, kwargs, self.backend.stored,
+            traced, unstorable = dynamo_traces.trace(self.function, full, kwargs, self.backend.compile_for_trace,
                                               lambda entries: _keep_guards(entries, objects, problems))
         except Exception as error:  # noqa: BLE001 - a graph break, an unsupported construct: Dynamo runs it
             self._give_up(_why(error))
@@ -207,10 +208,10 @@ class StoredTraces:
         unnamed = [name for name, found in identities.items() if found is None]
         try:
             if unstorable or unnamed:
-                raise compat.NotSerializable(unstorable or f"{unnamed[0]} is an object a later process cannot "
+                raise trace_graph.NotSerializable(unstorable or f"{unnamed[0]} is an object a later process cannot "
                                              "recognise")
-            data = compat.dumps(trace.traced)
-            compat.loads(data, self.function)  # what does not load here would not load in a later process
+            data = dynamo_traces.dumps(trace.traced)
+            dynamo_traces.loads(data, self.function)  # what does not load here would not load in a later process
             trace.data, trace.identities = data, identities
         except Exception as error:  # noqa: BLE001 - unpicklable state costs later processes a trace, not this one
             self.backend.report().fallback(f"cache_dir: a trace of {_qualified(self.function)} is used in this "
@@ -222,7 +223,7 @@ class StoredTraces:
                 # (their GraphModules' metadata differ), so the switch would compile again.
                 self.cache.store(self.key, {"traces": [], "unstorable": _why(error)})
             return
-        kept = [t.stored() for t in self.traces if t.data is not None and t.refused is None]
+        kept = [t.to_entry() for t in self.traces if t.data is not None and t.refused is None]
         self.cache.store(self.key, {"traces": kept[-compat_recompile.recompile_limit():], "unstorable": None})
         self.backend.report().traces_stored += 1
 
@@ -263,7 +264,7 @@ def identity(value: Any) -> str | None:
         return f"enum {_qualified(type(value))}.{value.name}"
     if isinstance(value, types.ModuleType):
         return f"module {value.__name__}"
-    if (op := compat.op_name(value)) is not None:
+    if (op := dynamo_traces.op_name(value)) is not None:
         return f"op {op}"
     if isinstance(value, types.CodeType):
         return f"code {_code_digest(value)}"
@@ -289,7 +290,7 @@ def _keep_guards(entries: list, objects: dict[str, Any], problems: list[str]) ->
     keep = [_keep_guard(entry, objects, problems) for entry in entries]
     taken = tuple(objects)
     for i, entry in enumerate(entries):
-        name = compat.guard_name(entry)
+        name = dynamo_traces.guard_name(entry)
         if keep[i] and entry.has_value and _constant(entry.value) and name.startswith(
                 tuple(f"{source}{after}" for source in taken for after in ".[")):
             objects[name] = entry.value
@@ -298,11 +299,11 @@ def _keep_guards(entries: list, objects: dict[str, Any], problems: list[str]) ->
 
 
 def _keep_guard(entry: Any, objects: dict[str, Any], problems: list[str]) -> bool:
-    name = compat.guard_name(entry)
-    unstorable = compat.guard_type(entry) & compat.unstorable_guard_types()
+    name = dynamo_traces.guard_name(entry)
+    unstorable = dynamo_traces.guard_type(entry) & dynamo_traces.unstorable_guard_types()
     if not unstorable or unstorable - IDENTITY_GUARDS or not entry.has_value:
         bound = _GLOBAL.fullmatch(name)
-        if bound and not _MINTED.fullmatch(name) and not compat.live_global_guards() and \
+        if bound and not _MINTED.fullmatch(name) and not dynamo_traces.live_global_guards() and \
                 identity(entry.value) is None:
             problems.append(f"its guards read the module global {bound[1]}, which torch {torch.__version__} "
                             "would check in a later process against a copy taken when the trace is loaded")
@@ -323,13 +324,13 @@ def _identity_check(objects: dict[str, Any]) -> Callable:
         else:
             parts.append(f"({_expression(name)}) is O[{i}]")
         values.append(value)
-    scope = {**compat.guard_helpers(), "O": values, "C": _constant_identity, "M": _ALIASES}
+    scope = {**dynamo_traces.guard_helpers(), "O": values, "C": _constant_identity, "M": _ALIASES}
     return eval("lambda L, G: " + (" and ".join(parts) or "True"), scope)  # noqa: S307 - Dynamo's guard sources
 
 
 def _evaluate(name: str, frame: dict, module_globals: dict) -> Any:
     """The object under a guard's source in this frame."""
-    scope = {**compat.guard_helpers(), "L": frame, "G": module_globals, "M": _ALIASES}
+    scope = {**dynamo_traces.guard_helpers(), "L": frame, "G": module_globals, "M": _ALIASES}
     return eval(_expression(name), scope)  # noqa: S307 - Dynamo's guard sources
 
 
@@ -350,7 +351,7 @@ class _Aliases(dict):
     which a later process's module globals lack: resolved by name, once."""
 
     def __missing__(self, name: str) -> Any:
-        value = self[name] = compat.minted_global(name)
+        value = self[name] = dynamo_traces.minted_global(name)
         return value
 
 

@@ -15,7 +15,6 @@ import functools
 import importlib
 import inspect
 import logging
-import pickle
 import sys
 import types
 from typing import Any, Callable, Iterator
@@ -275,8 +274,8 @@ def _read_globals_live(traced: Any, module_globals: dict[str, Any]) -> None:
     traced.fn = fn
 
 
-def stored_callable(traced: Any) -> Any:
-    """The `Stored` object the trace's bytecode calls."""
+def trace_graph_of(traced: Any) -> Any:
+    """The `TraceGraph` the trace's bytecode calls."""
     return traced._artifacts.compiled_fn
 
 
@@ -346,69 +345,6 @@ def minted_global(name: str) -> Any:
     if name.startswith("__builtins_dict__"):
         return builtins.__dict__
     raise KeyError(name)
-
-
-def bundled_inductor(compiled: Any) -> bytes | None:
-    """Inductor's compiled graph (from `inductor_compile` with the cache on) as bytes,
-    or None when AOTAutograd's cache did not keep a serializable entry for it."""
-    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
-
-    if getattr(compiled, "serialize", None) is None:
-        return None
-    return BundledAOTAutogradSerializableCallable.serialize_compile_artifacts(
-        BundledAOTAutogradSerializableCallable(compiled))
-
-
-def load_inductor(data: bytes) -> Callable:
-    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
-
-    with torch._inductor.config.patch(enable_autograd_for_aot=True):
-        return BundledAOTAutogradSerializableCallable.deserialize_compile_artifacts(data)
-
-
-@contextlib.contextmanager
-def bundled_inductor_cache() -> Iterator[None]:
-    """AOTAutograd's cache entries hold Inductor's compiled graph itself, so that a
-    compile can be serialized with `bundled_inductor`."""
-    with torch._functorch.config.patch(bundled_autograd_cache=True):
-        yield
-
-
-class NotSerializable(Exception):
-    """A trace whose graph a later process could not build again."""
-
-
-def _stored_base() -> type:
-    from torch._dynamo.aot_compile_types import SerializableCallable
-
-    return SerializableCallable
-
-
-class Stored(_stored_base() if unsupported() is None else object):  # type: ignore[misc]
-    """What a trace's bytecode calls in place of the compiled graph: `target`, and
-    `spec` (picklable) saying how a later process builds it again, or None with the
-    reason in `why`. A loaded trace gets its target from `bind()`."""
-
-    def __init__(self, spec: Any, target: Callable | None = None, why: str | None = None):
-        self.spec = spec
-        self.target = target
-        self.why = why
-
-    def bind(self, target: Callable) -> None:
-        self.target = target
-
-    def __call__(self, *args: Any) -> Any:
-        return self.target(*args)
-
-    @classmethod
-    def serialize_compile_artifacts(cls, fn: Stored) -> bytes:
-        if fn.spec is None:
-            raise NotSerializable(fn.why)
-        return pickle.dumps(fn.spec)
-
-    @classmethod
-    def deserialize_compile_artifacts(cls, data: bytes) -> Stored:
-        return cls(pickle.loads(data))
 
 
 FunctionsByCodePickler = _functions_by_code_pickler()

@@ -8,6 +8,17 @@ copies of the buffer per write. The in-place form writes only the new rows.
 The same graphs compute every intermediate into a new buffer; where the input of an
 elementwise op dies at that op, writing the result over it saves the allocation and
 shortens what the memory plan has to hold (`reinplace_intermediates`).
+
+torch.fx.passes.reinplace is used for what it gets right: which in-place overload
+matches a functional op's schema (through `inplace_variant`). Its `reinplace()`
+itself is not used, because on these graphs it is unsound or cannot run: it fails on
+graphs with tensor constants (it re-runs the graph on fresh fake inputs, and
+`get_attr` values are real), and if it ran it would write into them; it compares
+numel, not strides, so a later `view` could see another layout; it rewrites
+`add(a, a.t())` into `a.add_(a.t())`, which raises on overlapping memory; it rewrites
+random ops (`bernoulli` into `bernoulli_`); and it re-derives aliasing from
+fake-tensor storages, which the passes before it do not keep up to date. Here
+aliasing comes from op schemas over the graph (`memory_plan.storages`).
 """
 
 from __future__ import annotations
@@ -201,16 +212,7 @@ def reinplace_intermediates(gm: torch.fx.GraphModule) -> PassResult:
     Since an output is read by the output node, after every op, memory an output
     uses is never written.
 
-    torch.fx.passes.reinplace is used for what it gets right: which in-place overload
-    matches a functional op's schema (through `inplace_variant`). Its `reinplace()`
-    itself is not used, because on these graphs it is unsound or cannot run: it fails
-    on graphs with tensor constants (it re-runs the graph on fresh fake inputs, and
-    `get_attr` values are real), and if it ran it would write into them; it compares
-    numel, not strides, so a later `view` could see another layout; it rewrites
-    `add(a, a.t())` into `a.add_(a.t())`, which raises on overlapping memory; it
-    rewrites random ops (`bernoulli` into `bernoulli_`); and it re-derives aliasing
-    from fake-tensor storages, which the passes before it do not keep up to date.
-    Here aliasing comes from op schemas over the graph (`memory_plan.storages`).
+    Why not torch.fx.passes.reinplace: see the module docstring.
     """
     graph = gm.graph
     nodes = list(graph.nodes)
@@ -225,11 +227,7 @@ def reinplace_intermediates(gm: torch.fx.GraphModule) -> PassResult:
 
     communicated = {s for node in nodes if is_collective(node)
                      for arg in (node, *node.all_input_nodes) for s in where.get(arg, ())}
-    last_read: dict[Storage, int] = {}
-    for node in nodes:
-        for arg in node.all_input_nodes:
-            for storage in where.get(arg, ()):
-                last_read[storage] = order[node]
+    last_read = _last_reads(nodes, where, order)
     rewritten = 0
     for node in nodes:
         variant = _inplace_candidate(node)
@@ -250,6 +248,16 @@ def reinplace_intermediates(gm: torch.fx.GraphModule) -> PassResult:
         last_read[written] = max(last_read[written], last_read.get((node, 0), order[write]))
         rewritten += 1
     return PassResult(changed=rewritten > 0, counts={"inplace": rewritten} if rewritten else {})
+
+
+def _last_reads(nodes: list[torch.fx.Node], where: dict, order: dict[torch.fx.Node, int]) -> dict[Storage, int]:
+    """Each buffer's last reader, as its position in `nodes`."""
+    last_read: dict[Storage, int] = {}
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            for storage in where.get(arg, ()):
+                last_read[storage] = order[node]
+    return last_read
 
 
 def _inplace_candidate(node: torch.fx.Node) -> OpOverload | None:

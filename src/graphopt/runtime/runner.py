@@ -74,7 +74,8 @@ class GraphRunner:
         self.callers = callers if callers is not None else set()
         self.handed_out: list[weakref.ref] = []
         self._warned_held_outputs = False
-        self.unsupported: str | None = None  # why the inputs rule out device graphs ("" when they do not)
+        self.inputs_checked = False  # Dynamo guards the input types: they are checked once
+        self.unsupported: str | None = None  # why the inputs rule out device graphs
 
     def __call__(self, *args: Any) -> Any:
         """The replayed step: the capture size for this batch, the inputs copied
@@ -100,9 +101,9 @@ class GraphRunner:
         traffic), or None where the call runs the compiled graph directly: inputs
         a device graph cannot take, or a batch the dispatcher gives no graph (each
         logged once as a fallback). Traffic is counted and planned on here."""
-        if self.unsupported is None:  # Dynamo guards the input types: checked once
-            self.unsupported = _unsupported_input(args)
-        if self.unsupported:
+        if not self.inputs_checked:
+            self.unsupported, self.inputs_checked = _unsupported_input(args), True
+        if self.unsupported is not None:
             self.report.fallback(f"use_cudagraph: {self.unsupported}, so the graph runs without device graphs")
             return None
         try:
@@ -184,8 +185,8 @@ def _batch_description(signature: Signature) -> str:
     return f"batch = {signature.batch_names or 'a SymInt input'}, {how}"
 
 
-def _unsupported_input(args: tuple) -> str:
-    """Why a device graph cannot take these inputs, or "": a tensor subclass (a
+def _unsupported_input(args: tuple) -> str | None:
+    """Why a device graph cannot take these inputs, or None: a tensor subclass (a
     DTensor of torch's tensor-parallel API) or an object such as a DeviceMesh
     cannot be put in a static buffer, nor recorded op by op as plain tensors."""
     for i, value in enumerate(args):
@@ -193,7 +194,7 @@ def _unsupported_input(args: tuple) -> str:
             return f"input {i} is a {type(value).__name__}, a tensor subclass"
         if not isinstance(value, (torch.Tensor, int, float, bool, torch.SymInt, type(None))):
             return f"input {i} is a {type(value).__name__}, not a tensor or a number"
-    return ""
+    return None
 
 
 def _rows(out: Any, dim: int | None, batch: int | None, clone: bool) -> Any:

@@ -135,9 +135,27 @@ def signature_of(gm: torch.fx.GraphModule, dynamic_dims: Mapping[str, int] | Non
             problems.append(f"{where} is written in place by the graph and sized by the batch "
                             "(a KV cache per sequence)")
         batch_dims.append(dim)
+    key_symints, out_dims, number_outputs = _outputs(gm, inputs, batch, key_symints, problems)
+    # The op that mixes rows names the user's line: it comes first.
+    problems[:0] = [why for symbols, why in mixing.items() if batch & set(symbols) and why is not None]
+    return Signature(kinds, batch_dims, pads, batch_symints, key_symints, out_dims,
+                     exact_reason=problems[0] if problems else None,
+                     static_batch=None if batch else _static_batch(inputs, dynamic_dims),
+                     key_names=", ".join(sorted({f"from argument {inputs[i][1]!r}" if inputs[i][1] else
+                                                 f"input {i}" for i in key_symints})),
+                     batch_names=", ".join(f"dim {dim} of {inputs[i][1] or f'input {i}'!r}"
+                                           for i, dim in enumerate(batch_dims) if dim is not None),
+                     number_outputs=number_outputs)
+
+
+def _outputs(gm: torch.fx.GraphModule, inputs: list, batch: set, key_symints: list[int],
+             problems: list[str]) -> tuple[list[int], list[int | None], list]:
+    """(the key's SymInt inputs, each output's batch dim, the number outputs the
+    runtime computes from key symbols): a key symbol that reaches no tensor is left
+    out of the key, unless an output needs it and the runtime could not compute it."""
     symbols = {expr: i for i in key_symints if isinstance(expr := _compat.symbol_of(inputs[i][2]), sympy.Symbol)}
     numbers_only = _reaching_no_tensor(gm, symbols)
-    for value in _output_values(gm):  # an output the runtime could not compute keeps its symbols in the key
+    for value in _output_values(gm):
         if (expr := _compat.symbol_of(value)) is not None and not expr.free_symbols <= set(symbols):
             numbers_only = {k: v for k, v in numbers_only.items() if k not in expr.free_symbols}
     key_symints = [i for i in key_symints if i not in numbers_only.values()]
@@ -154,16 +172,7 @@ def signature_of(gm: torch.fx.GraphModule, dynamic_dims: Mapping[str, int] | Non
             problems.append(f"{where} is a size computed from the batch ({expr})")
         elif expr is not None and expr.free_symbols & set(numbers_only):
             number_outputs.append((i, expr, {symbol: symbols[symbol] for symbol in expr.free_symbols}))
-    # The op that mixes rows names the user's line: it comes first.
-    problems[:0] = [why for symbols, why in mixing.items() if batch & set(symbols) and why is not None]
-    return Signature(kinds, batch_dims, pads, batch_symints, key_symints, out_dims,
-                     exact_reason=problems[0] if problems else None,
-                     static_batch=None if batch else _static_batch(inputs, dynamic_dims),
-                     key_names=", ".join(sorted({f"from argument {inputs[i][1]!r}" if inputs[i][1] else
-                                                 f"input {i}" for i in key_symints})),
-                     batch_names=", ".join(f"dim {dim} of {inputs[i][1] or f'input {i}'!r}"
-                                           for i, dim in enumerate(batch_dims) if dim is not None),
-                     number_outputs=number_outputs)
+    return key_symints, out_dims, number_outputs
 
 
 def _reaching_no_tensor(gm: torch.fx.GraphModule, symbols: dict) -> dict:
