@@ -284,14 +284,14 @@ def test_a_step_whose_trace_cannot_be_stored_goes_to_dynamo_in_later_processes(d
     def cannot_pickle(traced):
         raise pickle.PicklingError("a guard reads an object pickle cannot name")
 
-    monkeypatch.setattr(traces.compat, "dumps", cannot_pickle)
+    monkeypatch.setattr(traces.dynamo_traces, "dumps", cannot_pickle)
     first = start(decoder, tmp_path)
     assert torch.equal(generate(decoder, PROMPTS, 6, step=first), expected)
     assert first.report().traces_stored == 0
     assert any("used in this process only: it cannot be stored (PicklingError: a guard reads" in r
                for r in first.report().fallbacks)
 
-    monkeypatch.setattr(traces.compat, "trace", lambda *args: pytest.fail("traced again"))
+    monkeypatch.setattr(traces.dynamo_traces, "trace", lambda *args: pytest.fail("traced again"))
     second = start(decoder, tmp_path)
     assert torch.equal(generate(decoder, PROMPTS, 6, step=second), expected)
     report = second.report()
