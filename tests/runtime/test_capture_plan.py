@@ -6,7 +6,7 @@ import torch
 
 import graphopt
 from graphopt.config import tolerance
-from graphopt.runtime.capture_plan import STEP_OVERHEAD_ROWS, Traffic, plan
+from graphopt.runtime.capture_plan import HOLD_CAPTURED, STEP_OVERHEAD_ROWS, Traffic, plan
 
 ATOL, RTOL = tolerance(torch.float32)
 TRAFFIC = {3: 100, 5: 80, 6: 10, 12: 30, 200: 2}
@@ -118,7 +118,7 @@ def replica(batches, interval, limit=32, warmups=1):
     for calls, batch in enumerate(batches, 1):
         traffic.observe(batch)
         if calls % (interval if sizes else max(interval // 4, 1)) == 0:
-            sizes = plan(traffic.fold(), limit=limit, warmups=warmups, padding=True, captured=frozenset(sizes)).sizes
+            sizes = plan(traffic.fold(frozenset(sizes)), limit=limit, warmups=warmups, padding=True, captured=frozenset(sizes)).sizes
     return list(sizes)
 
 
@@ -137,14 +137,15 @@ def test_auto_captures_the_planned_sizes_and_releases_a_size_whose_traffic_went(
     assert report.steps == 80 and report.steps_replayed - replayed == 16
     assert report.padded_rows - padded == 6 * (6 - 5)
     arena = report.pool_bytes
-    feed(opt, model, [2] * 16 * 6)  # the traffic moves: 6, then 3 fade; 2 pads to 3 until 3 goes
-    assert report.plans[0].sizes == replica(busy * 5 + [2] * 16 * 6, 16) == [2]
+    moved = [2] * 16 * (6 + HOLD_CAPTURED)  # the traffic moves: 6, then 3 fade; 2 pads to 3 until 3 goes
+    feed(opt, model, moved)
+    assert report.plans[0].sizes == replica(busy * 5 + moved, 16) == [2]
     assert report.plans[0].released == 2
     assert "release 3: its traffic has gone" in report.plans[0].reasons
     feed(opt, model, [2] * 4)
     assert sorted(c.size for c in report.captures) == [2, 3, 6] and report.captures[-1].size == 2
     assert report.pool_bytes < arena  # 6's and 3's graphs gave their arena back
-    assert "batch sizes seen: 2: 100, 3: 40, 5: 30, 6: 10" in str(report)
+    assert f"batch sizes seen: 2: {len(moved) + 4}, 3: 40, 5: 30, 6: 10" in str(report)
 
 
 def test_the_histogram_is_kept_in_the_compile_cache_and_capture_all_captures_its_sizes(tmp_path):

@@ -21,9 +21,12 @@ whose pool would not fit the memory budget, are never candidates. Without paddin
 its steps pay for its capture.
 
 Traffic decays by half at each plan and forgets a size whose weight falls below
-`FORGET_BELOW`: a size nobody has asked for in a few plans is released. A size that
-comes back after it was forgotten (a burst that recurs) is kept twice as long each
-time it returns, so a periodic burst is captured a few times, not once per period.
+`FORGET_BELOW`: a size nobody has asked for in a few plans is released. A planned
+size (captured at its first call) is held `HOLD_CAPTURED` plans longer: its capture
+is paid for, holding it costs only memory, which the sizes of a pool mostly share,
+and capturing again a size a server's batch wanders back to is what costs. A size
+that comes back after it was forgotten (a burst that recurs) is kept twice as long
+each time it returns, so a periodic burst is captured a few times, not once per period.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from ..report import PlanRecord, Report
 STEP_OVERHEAD_ROWS = 16  # a step without a graph, over a replay, in rows of work (see docs/device-graphs.md)
 DECAY = 0.5              # what a plan keeps of the traffic before it
 FORGET_BELOW = 0.25      # a size seen once is forgotten after three plans without it
+HOLD_CAPTURED = 6        # plans a captured size is held beyond that (the serving trace: 11 captures -> 5)
 
 _warming = contextvars.ContextVar("graphopt_capture_calls", default=False)
 
@@ -172,12 +176,14 @@ class Traffic:
             self.returns[batch] += 1
         self.seen[batch] += 1
 
-    def fold(self) -> dict[int, float]:
-        """Decay the weights, add the window's calls, forget what has faded; the new weights."""
+    def fold(self, captured: frozenset[int] = frozenset()) -> dict[int, float]:
+        """Decay the weights, add the window's calls, forget what has faded (a
+        `captured` size, planned before, later); the new weights."""
         weights = {b: w * DECAY for b, w in self.weights.items()}
         for b, n in self.window.items():
             weights[b] = weights.get(b, 0.0) + n
-        self.weights = {b: w for b, w in sorted(weights.items()) if w >= self.forget_below(b)}
+        self.weights = {b: w for b, w in sorted(weights.items())
+                        if w >= self.forget_below(b) * (DECAY ** HOLD_CAPTURED if b in captured else 1)}
         self.window.clear()
         return self.weights
 
@@ -239,7 +245,7 @@ class Planner:
         # Before anything is planned every call runs without a graph: plan four times as often.
         if self.calls % (interval if self.plan.sizes else max(interval // 4, 1)):
             return None
-        self.traffic.fold()
+        self.traffic.fold(frozenset(self.plan.sizes))
         self.store.store(self.traffic.weights)
         return self._replan()
 
