@@ -2,8 +2,8 @@
 # The CUDA checks (issue 31) in one go, on a GPU machine where torch is installed and
 # nothing can be fetched: run from the source tree. Every CUDA test file runs in its own
 # process (three at a time, beside the benchmarks) and every benchmark in its own
-# process, each under its own time limit, so one crash or hang cannot hide the rest. Results go to $OUT (or
-# ./gpu-out): summary.txt, and results.tgz with every log and JSON.
+# process, each under its own time limit, so one crash or hang cannot hide the rest.
+# Results go to $OUT (or ./gpu-out): summary.txt, and results.tgz with every log and JSON.
 #
 #   bash scripts/gpu_check.sh [tests|bench|all] [seconds for the whole run, default 540]
 #   TESTS="tests/a.py tests/b.py"  the test files to run (default: every file with a CUDA test)

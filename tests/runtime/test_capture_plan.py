@@ -118,7 +118,8 @@ def replica(batches, interval, limit=32, warmups=1):
     for calls, batch in enumerate(batches, 1):
         traffic.observe(batch)
         if calls % (interval if sizes else max(interval // 4, 1)) == 0:
-            sizes = plan(traffic.fold(frozenset(sizes)), limit=limit, warmups=warmups, padding=True, captured=frozenset(sizes)).sizes
+            captured = frozenset(sizes)
+            sizes = plan(traffic.fold(captured), limit=limit, warmups=warmups, padding=True, captured=captured).sizes
     return list(sizes)
 
 

@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .._compat.names import tree_leaves
+from .._compat.names import tensor_leaves
 from ..config import GraphOptimizationConfig
 from ..report import BudgetRefusal, CaptureRecord, PieceRecord, Report
 from .device_graph import DeviceGraph, PoolBudgetExceeded, graph_pool_handle, warmup_stream
@@ -164,7 +164,7 @@ class CapturedGraph:
         if guard.problems:
             first = guard.problems[0]
             self.refused = f"{first.op} at {first.location}: {first.message}"
-        elif any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(outputs)):
+        elif any(t.requires_grad for t in tensor_leaves(outputs)):
             # A replay rewrites the saved activations under the captured outputs' grad_fn,
             # so a backward through them would read another step's values.
             self.refused = _RECORDS_AUTOGRAD
@@ -191,7 +191,7 @@ class CapturedGraph:
             outputs = self.fn(*args)
             if copy_out:
                 outputs = self.graph_outputs.copy_out(outputs, entry.layouts)
-            graph.capture_end([t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)],
+            graph.capture_end(tensor_leaves(outputs),
                               max_growth=None if limit is None else limit - self._own_bytes())
         except PoolBudgetExceeded as over:
             graph.abort()
