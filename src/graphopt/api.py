@@ -18,6 +18,7 @@ from . import _compat, recompiles
 from ._compat.names import tree_flatten, tree_leaves, tree_unflatten
 from .backend import Backend
 from .config import GraphOptimizationConfig
+from .guards import keep_input_guards
 from .report import Report
 from .traces import MISS, StoredTraces
 
@@ -55,11 +56,16 @@ class _Step:
         self.config = config
         self.backend = Backend(config, dynamic_dims=self.dynamic_dims, pad_values=self.pad_values)
         self.compiles = config.graph_opt_level > 0 or config.use_cudagraph
-        self.fn = torch.compile(fn, backend=self.backend) if self.compiles else fn
+        guard_filter = keep_input_guards(self.params) if config.guards == "inputs" else None
+        self.backend.guards_filtered = guard_filter is not None
+        options = {"guard_filter_fn": guard_filter} if guard_filter is not None else None
+        self.fn = torch.compile(fn, backend=self.backend, options=options) if self.compiles else fn
         self.traces = None
-        # on_recompile "warn" / "error" need Dynamo's guards to say what failed: no stored traces then.
+        # on_recompile "warn" / "error" need Dynamo's guards to say what failed, and torch cannot
+        # store a trace whose guards were filtered where it guards a module's key order: no
+        # stored traces then.
         if config.graph_opt_level > 0 and config.cache_traces and self.backend.cache.bypass() is None \
-                and config.on_recompile == "recompile":
+                and config.on_recompile == "recompile" and guard_filter is None:
             identity = json.dumps([config.to_json(), self.dynamic_dims, self.pad_values], sort_keys=True)
             self.traces = StoredTraces(fn, self.backend, identity, self._mark_dynamic)
         self.last_call: tuple[tuple, dict] | None = None

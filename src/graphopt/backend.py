@@ -89,6 +89,9 @@ class Backend:
         # Set once Dynamo hands over a graph with a symbolic size: from then on a new
         # batch size finds that graph, so callers can stop marking dynamic dims.
         self.compiled_dynamic = False
+        # Set by optimize(), which gives torch.compile the `guards` key's filter: a
+        # Backend handed to torch.compile by the user cannot choose Dynamo's guards.
+        self.guards_filtered = False
         self._levels: dict[str, int] = {}
         self._configure(mode)
         compat_recompile.allow_recompiles(RECOMPILE_BUDGET)
@@ -151,6 +154,10 @@ class Backend:
     def compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Callable, GraphSpec | str]:
         """What Dynamo runs for `gm`, and how a later process builds it again from
         the compile cache (a GraphSpec), or why it cannot."""
+        if self.config.guards != "all" and not self.guards_filtered:
+            self._report.fallback(f"guards={self.config.guards!r}: under torch.compile(backend=...) Dynamo checks "
+                                  "every guard; use graphopt.optimize(), or give torch.compile options="
+                                  "{'guard_filter_fn': torch.compiler.keep_tensor_guards_unsafe}")
         runtime, spec = self._compile_runtime(gm, example_inputs)
         if self.config.executors and self._level(device_type(example_inputs)):  # an engine may run it instead
             runtime = executors.choose(gm, example_inputs, runtime, self.config, self._report, self.repackables)

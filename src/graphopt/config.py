@@ -51,6 +51,7 @@ CUDAGRAPH_MODES: Final = ("none", "piecewise", "full")
 # cudagraph_capture_sizes="auto": sizes chosen from traffic (runtime/capture_plan.py).
 AUTO_CAPTURE_SIZES: Final = "auto"
 ON_RECOMPILE: Final = ("recompile", "warn", "error")
+GUARDS: Final = ("all", "inputs")
 
 
 CACHE_DIR_ENV: Final = "GRAPHOPT_CACHE_DIR"
@@ -129,6 +130,9 @@ class GraphOptimizationConfig:
     # Engines ("onnxruntime", "openvino") each stateless graph is also timed on at compile
     # time; the fastest whose outputs equal eager's runs it (executors.py). Empty: graphopt only.
     executors: list[str] = field(default_factory=list)
+    # Which of Dynamo's guards a call checks (guards.py): "all", or "inputs" where the
+    # module's Python state is trusted not to change after the first call.
+    guards: str = "all"
 
     def __post_init__(self) -> None:
         check_int("graph_opt_level", self.graph_opt_level, choices=GRAPH_OPT_LEVELS)
@@ -142,6 +146,7 @@ class GraphOptimizationConfig:
         check_int("capture_replan_interval", self.capture_replan_interval, minimum=1)
         check_budget(self.graph_memory_budget)
         check_choice("on_recompile", self.on_recompile, ON_RECOMPILE)
+        check_choice("guards", self.guards, GUARDS)
         check_int("cudagraph_num_of_warmups", self.cudagraph_num_of_warmups, minimum=0)
         check_choice("cudagraph_mode", self.cudagraph_mode, CUDAGRAPH_MODES, optional=True)
         self.cudagraph_splitting_ops = aten_op_names(self.cudagraph_splitting_ops)

@@ -40,6 +40,7 @@ class Contender:
     frozen: bool = False      # graphopt with freeze_parameters=True (folded and packed weights)
     engines: bool = False     # and executors= the installed engines: each stateless graph on the fastest
     auto_sizes: bool = False  # cudagraph_capture_sizes="auto": capture sizes chosen from the traffic
+    trusted: bool = False     # guards="inputs": only the guards on the step's arguments are checked
 
     @property
     def competitor(self) -> bool:
@@ -69,6 +70,11 @@ def contenders(device: str) -> list[Contender]:
                                    auto_sizes=True))
     found.append(Contender("L1+frozen", "graphopt L1 frozen", "graphopt", 1, frozen=True))
     found.append(Contender("L1+engines", "graphopt L1 + engines", "graphopt", 1, frozen=True, engines=True))
+    # A serving step's module does not change: guards="inputs" drops Dynamo's guards on it.
+    found.append(Contender("L1+frozen+inputs", "graphopt L1 frozen, guards on inputs", "graphopt", 1, frozen=True,
+                           trusted=True))
+    found.append(Contender("L1+engines+inputs", "graphopt L1 + engines, guards on inputs", "graphopt", 1,
+                           frozen=True, engines=True, trusted=True))
     # Level 2's defaults with freeze_parameters: the GEMMs on packed weights where they win.
     found.append(Contender("L2+frozen", "graphopt L2 frozen", "graphopt", 2, frozen=True))
     # "tuned": frozen weights and Inductor's autotuned GEMMs (TUNED); a short name keeps the table narrow.
@@ -95,6 +101,8 @@ def build(contender: Contender, workload: Workload, device: str) -> Step:
             raise Unavailable("the engines of executors= run on the CPU here; left out with --device cuda")
         if contender.engines:
             extra["executors"] = [e for e in EXECUTORS if importlib.util.find_spec(e) is not None]
+        if contender.trusted:
+            extra["guards"] = "inputs"
         sizes = "auto" if contender.auto_sizes else workload.capture_sizes
         config = GraphOptimizationConfig(graph_opt_level=contender.level, use_cudagraph=contender.device_graphs,
                                          cudagraph_capture_sizes=sizes, **extra)

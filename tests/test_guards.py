@@ -1,0 +1,100 @@
+"""guards: "all" (default) checks every Dynamo guard; "inputs" only those on the step's
+arguments and torch's global state, trusting the module's Python state."""
+
+import pytest
+import torch
+
+import graphopt
+from graphopt.guards import keep_input_guards
+
+
+class Switch(torch.nn.Module):
+    """A forward that branches on a module attribute: only an attribute guard sees it change."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.act = "relu"
+
+    def forward(self, x):
+        y = self.lin(x)
+        return torch.relu(y) if self.act == "relu" else torch.tanh(y)
+
+
+def optimized(guards, **kw):
+    torch.manual_seed(0)
+    model = Switch().eval()
+    config = graphopt.GraphOptimizationConfig(guards=guards, max_num_seqs=8, cache_dir=None, **kw)
+    return model, graphopt.optimize(model, config)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(use_cudagraph=False), dict(graph_opt_level=2, use_cudagraph=False),
+                                dict(freeze_parameters=True)])
+def test_inputs_gives_eager_outputs_over_batch_sizes_and_compiles_a_new_dtype(kw):
+    model, opt = optimized("inputs", **kw)
+    with torch.no_grad():
+        for batch in (4, 3, 1, 8, 5):
+            x = torch.randn(batch, 8)
+            torch.testing.assert_close(opt(x), torch.relu(model.lin(x)), atol=1e-4, rtol=1e-4)
+        graphs = len(opt.report().graphs)
+        x = torch.randn(4, 8, dtype=torch.float64)
+        # The input's dtype is guarded: a new graph, not the float32 one.
+        model.double()
+        torch.testing.assert_close(opt(x), torch.relu(model.lin(x)))
+    assert len(opt.report().graphs) > graphs
+
+
+def test_inputs_trusts_the_module_where_all_sees_it_change():
+    x = torch.randn(4, 8)
+    for guards, expected in (("all", torch.tanh), ("inputs", torch.relu)):
+        model, opt = optimized(guards)
+        with torch.no_grad():
+            opt(x)
+            model.act = "tanh"  # outside the contract of "inputs"
+            torch.testing.assert_close(opt(x), expected(model.lin(x)), msg=guards)
+
+
+def test_inputs_still_guards_grad_mode():
+    model, opt = optimized("inputs", use_cudagraph=False)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        assert not opt(x).requires_grad
+    assert opt(x).requires_grad  # grad mode is torch's global state: guarded, a new graph
+
+
+def test_in_place_weight_updates_are_read_with_inputs():
+    model, opt = optimized("inputs")
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        opt(x)
+        model.lin.weight.mul_(2)
+        torch.testing.assert_close(opt(x), torch.relu(model.lin(x)))
+
+
+class _Entry:
+    def __init__(self, name, guard_type="TENSOR_MATCH", is_global=False):
+        self.name, self.guard_type, self.is_global = name, guard_type, is_global
+
+
+def test_the_filter_keeps_argument_and_global_state_guards_only():
+    keep = keep_input_guards(["self", "x", "kwargs"])
+    entries = [_Entry("x"), _Entry("L['x']"), _Entry("type(x)", "TYPE_MATCH"), _Entry("kwargs['mask']"),
+               _Entry("", "GRAD_MODE"), _Entry("", "SHAPE_ENV"),
+               _Entry("self._modules['lin']._parameters['weight']"), _Entry("self.act", "EQUALS_MATCH"),
+               _Entry("L['self'].act", "EQUALS_MATCH"), _Entry("G['torch'].relu", "FUNCTION_MATCH", is_global=True),
+               _Entry("dict(type(self).__dict__)", "DICT_NOT_CONTAINS"), _Entry("xs", "TENSOR_MATCH")]
+    assert keep(entries) == [True] * 6 + [False] * 6
+
+
+def test_a_backend_given_to_torch_compile_cannot_filter_and_says_so():
+    backend = graphopt.Backend(graphopt.GraphOptimizationConfig(guards="inputs", use_cudagraph=False, cache_dir=None))
+    torch.compile(Switch(), backend=backend)(torch.randn(4, 8))
+    reasons = [r for r in backend.report().fallbacks if r.startswith("guards='inputs'")]
+    assert reasons and "guard_filter_fn" in reasons[0]
+
+
+def test_unknown_guards_value_names_the_choices():
+    with pytest.raises(ValueError, match="guards must be one of 'all', 'inputs'"):
+        graphopt.GraphOptimizationConfig(guards="none")
+    with pytest.raises(TypeError, match="guards must be"):
+        graphopt.GraphOptimizationConfig(guards=True)
