@@ -98,3 +98,26 @@ def test_unknown_guards_value_names_the_choices():
         graphopt.GraphOptimizationConfig(guards="none")
     with pytest.raises(TypeError, match="guards must be"):
         graphopt.GraphOptimizationConfig(guards=True)
+
+
+def test_generate_with_inputs_gives_eager_tokens_over_new_caches_and_batches():
+    """A decoder's step takes a cache object: its guards are on an argument, so kept;
+    each generate()'s new StaticCache and each batch still finds (or makes) its graph."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64)
+    torch.manual_seed(0)
+    eager = transformers.LlamaForCausalLM(config).eval()
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.load_state_dict(eager.state_dict())
+    model.forward = graphopt.optimize(model.forward, graphopt.GraphOptimizationConfig(
+        guards="inputs", max_num_seqs=4, cache_dir=None))
+
+    def generate(m, ids):
+        return m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
+                          do_sample=False, cache_implementation="static")
+
+    for batch in (1, 2, 1, 3):
+        ids = torch.randint(0, 128, (batch, 5), generator=torch.Generator().manual_seed(batch))
+        assert torch.equal(generate(model, ids), generate(eager, ids)), f"batch {batch}"
+    assert model.forward.report().replays > 0
