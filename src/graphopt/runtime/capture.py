@@ -33,12 +33,11 @@ refused key runs the callable from then on, until `release()`.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -57,14 +56,21 @@ _RECORDS_AUTOGRAD = ("the step records autograd history (grad mode is on and its
 _key: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("graphopt_graph_key", default=None)
 
 
-@contextlib.contextmanager
-def running_at(key: tuple) -> Iterator[None]:
-    """Run the captured graphs called inside at `key`: (capture size, other symbols)."""
-    token = _key.set(key)
-    try:
-        yield
-    finally:
-        _key.reset(token)
+class running_at:
+    """Run the captured graphs called inside at `key`: (capture size, other symbols).
+    A class, not a generator: it is entered on every replay, and a generator's
+    context manager costs ~1 µs more per call."""
+
+    __slots__ = ("key", "token")
+
+    def __init__(self, key: tuple):
+        self.key = key
+
+    def __enter__(self) -> None:
+        self.token = _key.set(self.key)
+
+    def __exit__(self, *exc: Any) -> None:
+        _key.reset(self.token)
 
 
 class Pool:
@@ -121,7 +127,11 @@ class CapturedGraph:
         self.graph_outputs = GraphOutputs()  # CUDA graphs of a shared pool: their outputs' blocks
 
     def __call__(self, *args: Any) -> Any:
-        key = _key.get()
+        return self.run_at(_key.get(), args)
+
+    def run_at(self, key: tuple | None, args: Sequence[Any]) -> Any:
+        """A call at `key` (None: just run the callable). What `__call__` does with
+        the key of `running_at()`; a runner whose graph is this one piece passes it here."""
         self.owns_outputs = self.replayed = False
         if key is None or self.refused is not None:
             return self.fn(*args)
