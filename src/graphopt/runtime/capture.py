@@ -98,6 +98,7 @@ class Pool:
 class _Entry:
     warmups_left: int
     graph: DeviceGraph | None = None
+    replay: Callable[[], None] | None = None           # graph.replayer
     inputs: list[tuple] = field(default_factory=list)  # (index, tensor the capture read, how a new one is taken)
     outputs: Any = None                               # what every replay writes
     layouts: list = field(default_factory=list)       # the last warm-up's outputs (graph_outputs.layouts)
@@ -143,7 +144,7 @@ class CapturedGraph:
         if entry.graph is not None:
             recapture = self._bring_inputs(entry, args)
             if recapture is None:
-                entry.graph.replay()
+                entry.replay()
                 self.report.replays += 1
                 self.record.replays += 1
                 self.owns_outputs = self.replayed = True
@@ -224,7 +225,7 @@ class CapturedGraph:
         if graph.replay_fallback:
             self.report.fallback(f"use_cudagraph: host graphs replay from Python (~3 us more per op): "
                                  f"{graph.replay_fallback}")
-        entry.graph, entry.outputs = graph, outputs
+        entry.graph, entry.replay, entry.outputs = graph, graph.replayer, outputs
         entry.inputs = [(i, a, how) for i, (a, how) in enumerate(zip(args, hows)) if isinstance(a, torch.Tensor)]
         self.owns_outputs = True
         self.record.captures += 1
