@@ -220,7 +220,12 @@ def _rows(out: Any, dim: int | None, batch: int | None, clone: bool) -> Any:
         return out
     # Always a new view: the held-output check keeps weak references to what it
     # hands out, and the graph's own output tensor never dies.
-    view = out.narrow(dim, 0, batch) if dim is not None else out.view_as(out)
+    if dim is None:
+        view = out.view_as(out)
+    elif dim == 0:
+        view = out[:batch]  # narrow(0, 0, batch)'s view, ~0.5 µs cheaper: this runs on every padded replay
+    else:
+        view = out.narrow(dim, 0, batch)
     return view.clone() if clone else view
 
 
