@@ -2,9 +2,10 @@
 
 It owns no buffers and does no padding (the GraphRunner above it does): it is
 called with the arguments the graph should read, and the key (the capture size
-and any other symbol's value) comes from the GraphRunner through `running_at()`.
-Without a key it just runs the callable, which is how the runner's first call
-and its fallbacks run.
+and any other symbol's value) comes from the GraphRunner: through `running_at()`
+for the pieces of a split graph, as `run_at()`'s argument for a graph of one
+piece. Without a key it just runs the callable, which is how the runner's first
+call and its fallbacks run.
 
 Per key: `cudagraph_num_of_warmups` warm-up runs (at least one), then the call
 that captures, then replays. At replay, an argument whose address changed since
@@ -98,7 +99,7 @@ class Pool:
 class _Entry:
     warmups_left: int
     graph: DeviceGraph | None = None
-    replay: Callable[[], None] | None = None           # graph.replayer
+    replay: Callable[[], None] | None = None           # graph.replayer, bound at capture
     inputs: list[tuple] = field(default_factory=list)  # (index, tensor the capture read, how a new one is taken)
     outputs: Any = None                               # what every replay writes
     layouts: list = field(default_factory=list)       # the last warm-up's outputs (graph_outputs.layouts)
@@ -131,8 +132,7 @@ class CapturedGraph:
         return self.run_at(_key.get(), args)
 
     def run_at(self, key: tuple | None, args: Sequence[Any]) -> Any:
-        """A call at `key` (None: just run the callable). What `__call__` does with
-        the key of `running_at()`; a runner whose graph is this one piece passes it here."""
+        """A call at `key` (None: just run the callable): `__call__` with the key of `running_at()`."""
         self.owns_outputs = self.replayed = False
         if key is None or self.refused is not None:
             return self.fn(*args)
