@@ -2,9 +2,10 @@
 
 It owns no buffers and does no padding (the GraphRunner above it does): it is
 called with the arguments the graph should read, and the key (the capture size
-and any other symbol's value) comes from the GraphRunner through `running_at()`.
-Without a key it just runs the callable, which is how the runner's first call
-and its fallbacks run.
+and any other symbol's value) comes from the GraphRunner: through `running_at()`
+for the pieces of a split graph, as `run_at()`'s argument for a graph of one
+piece. Without a key it just runs the callable, which is how the runner's first
+call and its fallbacks run.
 
 Per key: `cudagraph_num_of_warmups` warm-up runs (at least one), then the call
 that captures, then replays. At replay, an argument whose address changed since
@@ -33,12 +34,11 @@ refused key runs the callable from then on, until `release()`.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -57,14 +57,21 @@ _RECORDS_AUTOGRAD = ("the step records autograd history (grad mode is on and its
 _key: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("graphopt_graph_key", default=None)
 
 
-@contextlib.contextmanager
-def running_at(key: tuple) -> Iterator[None]:
-    """Run the captured graphs called inside at `key`: (capture size, other symbols)."""
-    token = _key.set(key)
-    try:
-        yield
-    finally:
-        _key.reset(token)
+class running_at:
+    """Run the captured graphs called inside at `key`: (capture size, other symbols).
+    A class, not a generator: it is entered on every replay, and a generator's
+    context manager costs ~1 µs more per call."""
+
+    __slots__ = ("key", "token")
+
+    def __init__(self, key: tuple):
+        self.key = key
+
+    def __enter__(self) -> None:
+        self.token = _key.set(self.key)
+
+    def __exit__(self, *exc: Any) -> None:
+        _key.reset(self.token)
 
 
 class Pool:
@@ -92,6 +99,7 @@ class Pool:
 class _Entry:
     warmups_left: int
     graph: DeviceGraph | None = None
+    replay: Callable[[], None] | None = None           # graph.replayer, bound at capture
     inputs: list[tuple] = field(default_factory=list)  # (index, tensor the capture read, how a new one is taken)
     outputs: Any = None                               # what every replay writes
     layouts: list = field(default_factory=list)       # the last warm-up's outputs (graph_outputs.layouts)
@@ -121,7 +129,10 @@ class CapturedGraph:
         self.graph_outputs = GraphOutputs()  # CUDA graphs of a shared pool: their outputs' blocks
 
     def __call__(self, *args: Any) -> Any:
-        key = _key.get()
+        return self.run_at(_key.get(), args)
+
+    def run_at(self, key: tuple | None, args: Sequence[Any]) -> Any:
+        """A call at `key` (None: just run the callable): `__call__` with the key of `running_at()`."""
         self.owns_outputs = self.replayed = False
         if key is None or self.refused is not None:
             return self.fn(*args)
@@ -133,7 +144,7 @@ class CapturedGraph:
         if entry.graph is not None:
             recapture = self._bring_inputs(entry, args)
             if recapture is None:
-                entry.graph.replay()
+                entry.replay()
                 self.report.replays += 1
                 self.record.replays += 1
                 self.owns_outputs = self.replayed = True
@@ -214,7 +225,7 @@ class CapturedGraph:
         if graph.replay_fallback:
             self.report.fallback(f"use_cudagraph: host graphs replay from Python (~3 us more per op): "
                                  f"{graph.replay_fallback}")
-        entry.graph, entry.outputs = graph, outputs
+        entry.graph, entry.replay, entry.outputs = graph, graph.replayer, outputs
         entry.inputs = [(i, a, how) for i, (a, how) in enumerate(zip(args, hows)) if isinstance(a, torch.Tensor)]
         self.owns_outputs = True
         self.record.captures += 1

@@ -10,7 +10,7 @@ padding: that is the GraphRunner's job.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -87,6 +87,12 @@ class DeviceGraph:
 
     def replay(self) -> None:
         self._graph.replay()
+
+    @property
+    def replayer(self) -> Callable[[], None]:
+        """`replay` for a caller that replays every step to keep: the backend's own replay,
+        without this class's layer (a host graph's native tape's). Valid until `reset()`."""
+        return getattr(self._graph, "replayer", self._graph.replay)
 
     def reset(self) -> None:
         self._graph.reset()

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -106,9 +106,7 @@ class HostGraph:
         self.native = native_tape.ENABLED if native is None else native
         self._tape: Any = None  # a native_tape Tape, or a tuple of (callable, args, kwargs)
         self._placed: list[torch.Tensor] = []  # every tensor object this graph moved into the arena
-        self._nbytes = 0
-        self._copy_replays = 0
-        self._python_entries = 0
+        self._nbytes = self._copy_replays = self._python_entries = 0
         self.python_replay_reason: str | None = None  # why a native replay was asked for and not given
         self._modes: tuple[_Recorder, CaptureGuard] | None = None
         self._inputs: dict[int, list[torch.Tensor] | None] = {}  # `_inputs()`, for rebind
@@ -184,11 +182,15 @@ class HostGraph:
                 "capture is still in progress; call capture_end() first" if self._modes is not None else
                 "nothing is captured (never captured, or reset() since); capture it again before replaying"))
         if not isinstance(self._tape, tuple):
-            self._tape.replay()
-            return
+            return self._tape.replay()
         with torch.inference_mode():
             for fn, args, kwargs in self._tape:
                 fn(*args, **kwargs)
+
+    @property
+    def replayer(self) -> Callable[[], None]:
+        """`replay` for a caller that replays every step: a native tape's own, without this method around it."""
+        return self._tape.replay if self.replays_natively else self.replay
 
     def rebind(self, old: torch.Tensor, new: torch.Tensor) -> str | None:
         """Read and write `new` wherever the tape reads and writes `old`, an input
@@ -226,9 +228,7 @@ class HostGraph:
             self.pool._graphs.discard(self)
             self.pool._fit()
 
-    def abort(self) -> None:
-        """End a capture whose step raised: the same as reset()."""
-        self.reset()
+    abort = reset  # ends a capture whose step raised
 
     def _stop(self, caller: str) -> _Recorder:
         if self._modes is None:

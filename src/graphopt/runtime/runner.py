@@ -66,6 +66,8 @@ class GraphRunner:
             sizes = [config.max_num_seqs]  # a graph without a batch has one key whatever the sizes
         self.dispatcher = Dispatcher(sizes, padding, planned=self.planner is not None)
         self.inputs = StaticInputs(signature, config.largest_capture_size(), config.clone_input)
+        # A graph that is one captured piece is handed its key; a split graph's pieces read it from running_at().
+        self._run_at = graph.run_at if isinstance(graph, CapturedGraph) else self._run_pieces_at
         self.other_values: set[tuple] = set()
         # Graphs of one pool share memory: they must never replay at once, across runners too.
         self.lock = _pool_lock(config.graph_pool)
@@ -83,21 +85,27 @@ class GraphRunner:
         route = self._route(args)
         if route is None:
             return self.graph(*args)
-        batch, size, other, traffic = route
+        batch, size, key, traffic = route
         with self.lock:
             self.callers.add(threading.get_ident())
             static_args = self.inputs.fill(list(args), batch, size)
-            if self.handed_out and not self.config.clone_output and any(r() is not None for r in self.handed_out):
+            if self.handed_out and _any_alive(self.handed_out):
                 self._warn_held_outputs()
-            with running_at((size or self.signature.static_batch, *other)):
-                outputs = self.graph(*static_args)
+            outputs = self._run_at(key, static_args)
             if traffic:
-                self.report.padded_rows += size - batch if batch is not None and size is not None else 0
-                self.report.steps_replayed += bool(self.captured) and all(p.replayed for p in self.captured)
+                if batch is not None:
+                    self.report.padded_rows += size - batch
+                # A list, not a generator: this runs on every replay.
+                replayed = [piece.replayed for piece in self.captured]
+                self.report.steps_replayed += bool(replayed) and all(replayed)
             return self._hand_out(outputs, batch, size, args)
 
+    def _run_pieces_at(self, key: tuple, args: list) -> Any:
+        with running_at(key):
+            return self.graph(*args)
+
     def _route(self, args: tuple) -> tuple[int | None, int | None, tuple, bool] | None:
-        """(batch, capture size, the other symbols' values, whether the call is
+        """(batch, capture size, the key its graphs run at, whether the call is
         traffic), or None where the call runs the compiled graph directly: inputs
         a device graph cannot take, or a batch the dispatcher gives no graph (each
         logged once as a fallback). Traffic is counted and planned on here."""
@@ -126,7 +134,7 @@ class GraphRunner:
                 self.report.fallback(f"use_cudagraph: {dispatch.reason} (the batch: "
                                      f"{self.signature.batch_names}; declare it with dynamic_dims)")
             return None
-        other = self.signature.key_of(args)
+        other = self.signature.key_of(args) if self.signature.key_symints else ()
         if other not in self.other_values:
             if len(self.other_values) >= MAX_OTHER_VALUES:
                 self.report.fallback(f"use_cudagraph: a size or number the graph reads ({self.signature.key_names}) "
@@ -134,7 +142,7 @@ class GraphRunner:
                                      "device graph, since each would need a capture of its own")
                 return None
             self.other_values.add(other)
-        return batch, dispatch.size, other, traffic
+        return batch, dispatch.size, (dispatch.size or self.signature.static_batch, *other), traffic
 
     def _observe(self, batch: int) -> None:
         """Count the call's batch; at a re-plan, release what the plan let go and dispatch on its sizes."""
@@ -162,11 +170,14 @@ class GraphRunner:
 
     def _hand_out(self, outputs: Any, batch: int | None, size: int | None, args: tuple) -> Any:
         clone = self.config.clone_output or len(self.callers) > 1
-        dims = self.signature.out_dims if batch is not None and batch != size else [None] * len(outputs)
-        result = [_rows(out, dim, batch, clone) for out, dim in zip(outputs, dims)]
-        for i, number in self.signature.numbers_of(args).items():
-            result[i] = number
-        if not clone and any(piece.owns_outputs for piece in self.captured):
+        if batch is not None and batch != size:
+            result = [_rows(out, dim, batch, clone) for out, dim in zip(outputs, self.signature.out_dims)]
+        else:
+            result = [_rows(out, None, batch, clone) for out in outputs]
+        if self.signature.number_outputs:
+            for i, number in self.signature.numbers_of(args).items():
+                result[i] = number
+        if not clone and any([piece.owns_outputs for piece in self.captured]):
             self.handed_out = [weakref.ref(t) for t in result if isinstance(t, torch.Tensor)]
         return tuple(result) if isinstance(outputs, tuple) else result
 
@@ -197,12 +208,24 @@ def _unsupported_input(args: tuple) -> str | None:
     return None
 
 
+def _any_alive(refs: list[weakref.ref]) -> bool:
+    for ref in refs:  # a loop, not any() over a generator: this runs on every replay
+        if ref() is not None:
+            return True
+    return False
+
+
 def _rows(out: Any, dim: int | None, batch: int | None, clone: bool) -> Any:
     if not isinstance(out, torch.Tensor):
         return out
     # Always a new view: the held-output check keeps weak references to what it
     # hands out, and the graph's own output tensor never dies.
-    view = out.narrow(dim, 0, batch) if dim is not None else out.view_as(out)
+    if dim is None:
+        view = out.view_as(out)
+    elif dim == 0:
+        view = out[:batch]  # narrow(0, 0, batch)'s view, ~0.5 µs cheaper: this runs on every padded replay
+    else:
+        view = out.narrow(dim, 0, batch)
     return view.clone() if clone else view
 
 

@@ -11,11 +11,20 @@ static, mutated inputs) and SymInts are never copied: they are passed through.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .signature import Signature
+
+
+class _Target(NamedTuple):
+    """Where a user input goes, for one batch at one capture size."""
+    base: torch.Tensor               # its buffer at the capture size (one row on broadcast dims)
+    broadcast: list[int]             # its broadcast dims, copied from one row
+    rows: torch.Tensor               # the buffer's first `batch` rows: what the input is copied into
+    padding: torch.Tensor | None     # the rows after them, filled with the pad value; None: none
+    arg: torch.Tensor                # what the graph is passed (the buffer, expanded where broadcast)
 
 
 class StaticInputs:
@@ -27,38 +36,42 @@ class StaticInputs:
         self.copied = [i for i in signature.copied if signature.batch_dims[i] is not None or clone_input]
         self.buffers: dict[tuple[int, int | None], torch.Tensor] = {}
         self.layouts: dict[tuple[int, tuple[int, ...]], tuple[list[int], bool, bool]] = {}
-        # (input, size, shape, strides) -> where that input goes at that size: the
-        # same few keys every call, so a call does no layout work.
-        self.targets: dict[tuple, tuple[torch.Tensor, list[int], bool]] = {}
+        # (input, batch, size, shape, strides) -> where that input goes: the same few
+        # keys every call, so a call does no layout work and makes no views.
+        self.targets: dict[tuple, _Target] = {}
 
     def fill(self, args: list[Any], batch: int | None, size: int | None) -> list[Any]:
         """`args` (the caller's list, rewritten) for running at `size`: user inputs
         copied (and padded) into their buffers, the batch SymInt set to `size`,
         everything else as given."""
-        sig = self.signature
         for i in self.copied:
             value = args[i]
-            key = (i, size, value.shape, value.stride())
+            key = (i, batch, size, value.shape, value.stride())
             target = self.targets.get(key)
             if target is None:
-                target = self.targets[key] = self._target(i, value, size)
-            base, broadcast, rows = target
+                target = self.targets[key] = self._target(i, value, batch, size)
+            base, broadcast, rows, padding, arg = target
             if base.data_ptr() != value.data_ptr():
                 source = value
                 for d in broadcast:
                     source = source.narrow(d, 0, 1)
-                (base.narrow(sig.batch_dims[i], 0, batch) if rows and batch < size else base).copy_(source)
-            if rows and batch < size:
-                base.narrow(sig.batch_dims[i], batch, size - batch).fill_(sig.pads[i])
-            args[i] = base if not broadcast else base.expand(_shape_at(value, sig.batch_dims[i], size))
-        for i in sig.batch_symints:
+                rows.copy_(source)
+            if padding is not None:
+                padding.fill_(self.signature.pads[i])
+            args[i] = arg
+        for i in self.signature.batch_symints:
             args[i] = size
         return args
 
-    def _target(self, i: int, value: torch.Tensor, size: int | None) -> tuple[torch.Tensor, list[int], bool]:
-        """(input i's buffer at `size` rows, its broadcast dims, whether it has rows to pad)."""
-        broadcast, rows, outermost = self._layout(i, value)
-        return self._buffer(i, value, broadcast, outermost, size if rows else None), broadcast, rows
+    def _target(self, i: int, value: torch.Tensor, batch: int | None, size: int | None) -> _Target:
+        """Where input i, laid out as `value` is, goes for `batch` rows at capture size `size`."""
+        broadcast, has_rows, outermost = self._layout(i, value)
+        base = self._buffer(i, value, broadcast, outermost, size if has_rows else None)
+        dim = self.signature.batch_dims[i]
+        padded = has_rows and batch < size
+        return _Target(base, broadcast, rows=base.narrow(dim, 0, batch) if padded else base,
+                       padding=base.narrow(dim, batch, size - batch) if padded else None,
+                       arg=base.expand(_shape_at(value, dim, size)) if broadcast else base)
 
     def _layout(self, i: int, value: torch.Tensor) -> tuple[list[int], bool, bool]:
         """(broadcast dims, whether it has rows to pad, whether its batch dim is
