@@ -1,4 +1,5 @@
-"""Helpers the tests share: decode-step inputs and the ATen graphs passes see."""
+"""Helpers the tests share: decode-step inputs, the ATen graphs passes see, a module
+whose forward branches on an attribute."""
 
 from __future__ import annotations
 
@@ -81,3 +82,17 @@ def assert_close_tree(actual, expected, where: str) -> None:
             assert_close_tree(actual[key], expected[key], f"{where}.{key}")
     else:
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+class Switch(torch.nn.Module):
+    """A linear then `act`: a forward that branches on a module attribute, which only
+    Dynamo's guard on that attribute sees change."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.act = "relu"
+
+    def forward(self, x):
+        y = self.lin(x)
+        return torch.relu(y) if self.act == "relu" else torch.tanh(y)

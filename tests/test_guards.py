@@ -6,19 +6,7 @@ import torch
 
 import graphopt
 from graphopt.guards import keep_input_guards
-
-
-class Switch(torch.nn.Module):
-    """A forward that branches on a module attribute: only an attribute guard sees it change."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(8, 8)
-        self.act = "relu"
-
-    def forward(self, x):
-        y = self.lin(x)
-        return torch.relu(y) if self.act == "relu" else torch.tanh(y)
+from support import Switch
 
 
 def optimized(guards, **kw):

@@ -6,22 +6,12 @@ import pytest
 import torch
 
 import graphopt
-
-
-class Scaled(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(8, 8)
-        self.act = "relu"
-
-    def forward(self, x):
-        y = self.lin(x)
-        return torch.relu(y) if self.act == "relu" else torch.tanh(y)
+from support import Switch
 
 
 def run(policy, **kw):
     torch.manual_seed(0)
-    model = Scaled().eval()
+    model = Switch().eval()
     opt = graphopt.optimize(model, graphopt.GraphOptimizationConfig(on_recompile=policy, max_num_seqs=8, **kw))
     with torch.no_grad():
         for batch in (4, 3, 1, 4):  # batch 1's own graph (0/1 specialisation) is never refused
