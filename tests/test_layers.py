@@ -31,7 +31,7 @@ LAYERS = {  # the first part of a module's dotted name below graphopt -> its lay
     "backend": "backend", "backend_cache": "backend", "modes": "backend", "repack": "backend", "recompiles": "backend",
     "executors": "backend", "backend_runtime": "backend",
     "lowering": "backend",
-    "api": "api", "traces": "api",
+    "api": "api", "traces": "api", "guards": "api",
     "bench": "tools", "cli": "tools", "__main__": "tools", "__init__": "tools",
 }
 MAY_IMPORT = {
