@@ -1,13 +1,13 @@
-"""CapturedGraph: capture and replay of one compiled callable, one device graph per key.
+"""CapturedGraph: capture and replay of one compiled callable, one device graph per capture point.
 
 It owns no buffers and does no padding (the GraphRunner above it does): it is
-called with the arguments the graph should read, and the key (the capture size
-and any other symbol's value) comes from the GraphRunner: through `running_at()`
+called with the arguments the graph should read, and the capture point (the capture
+size and any other symbol's value) comes from the GraphRunner: through `running_at()`
 for the pieces of a split graph, as `run_at()`'s argument for a graph of one
-piece. Without a key it just runs the callable, which is how the runner's first
+piece. Without a point it just runs the callable, which is how the runner's first
 call and its fallbacks run.
 
-Per key: `cudagraph_num_of_warmups` warm-up runs (at least one), then the call
+Per capture point: `cudagraph_num_of_warmups` warm-up runs (at least one), then the call
 that captures, then replays. At replay, an argument whose address changed since
 capture is copied into the captured one, unless it is a static argument
 (parameter, buffer, written input), which the graph must read and write itself.
@@ -17,7 +17,7 @@ graph: `DeviceGraph.rebind`); otherwise (a CUDA graph, a new size, a parameter)
 the graph is captured again, with the reason in `report().recapture_reasons`.
 A host graph is captured on a private alias of each static argument that is not
 a parameter, so that rebinding moves the alias and never the caller's tensor,
-which keeps its memory and is not written again. The first run (any key)
+which keeps its memory and is not written again. The first run (any point)
 checks the callable for ops a device graph cannot replay; one found refuses
 capture for good, with the op and the user's line in the report; so do outputs
 that require grad (a replay cannot rebuild their autograd history). It also notes
@@ -29,7 +29,7 @@ With `graph_memory_budget`, a capture is refused, before it starts, when the
 pools would hold more than the budget with it (scaled from the largest graph
 captured); a host graph also checks its exact arena need before the arena grows,
 a CUDA graph its pool's growth (`torch.cuda.memory_stats`) before it is kept. A
-refused key runs the callable from then on, until `release()`.
+refused capture point runs the callable from then on, until `release()`.
 """
 
 from __future__ import annotations
@@ -54,24 +54,24 @@ _RECORDS_AUTOGRAD = ("the step records autograd history (grad mode is on and its
                      "which a device graph cannot replay: call it under torch.inference_mode() or "
                      "torch.no_grad(), or give the parameters requires_grad=False")
 
-_key: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("graphopt_graph_key", default=None)
+_point: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("graphopt_capture_point", default=None)
 
 
 class running_at:
-    """Run the captured graphs called inside at `key`: (capture size, other symbols).
+    """Run the captured graphs called inside at `point`: (capture size, other symbols).
     A class, not a generator: it is entered on every replay, and a generator's
     context manager costs ~1 µs more per call."""
 
-    __slots__ = ("key", "token")
+    __slots__ = ("point", "token")
 
-    def __init__(self, key: tuple):
-        self.key = key
+    def __init__(self, point: tuple):
+        self.point = point
 
     def __enter__(self) -> None:
-        self.token = _key.set(self.key)
+        self.token = _point.set(self.point)
 
     def __exit__(self, *exc: Any) -> None:
-        _key.reset(self.token)
+        _point.reset(self.token)
 
 
 class Pool:
@@ -129,16 +129,16 @@ class CapturedGraph:
         self.graph_outputs = GraphOutputs()  # CUDA graphs of a shared pool: their outputs' blocks
 
     def __call__(self, *args: Any) -> Any:
-        return self.run_at(_key.get(), args)
+        return self.run_at(_point.get(), args)
 
-    def run_at(self, key: tuple | None, args: Sequence[Any]) -> Any:
-        """A call at `key` (None: just run the callable): `__call__` with the key of `running_at()`."""
+    def run_at(self, point: tuple | None, args: Sequence[Any]) -> Any:
+        """A call at `point` (None: just run the callable): `__call__` with the point of `running_at()`."""
         self.owns_outputs = self.replayed = False
-        if key is None or self.refused is not None:
+        if point is None or self.refused is not None:
             return self.fn(*args)
-        entry = self.entries.get(key)
+        entry = self.entries.get(point)
         if entry is None:
-            entry = self.entries[key] = _Entry(self.warmups)
+            entry = self.entries[point] = _Entry(self.warmups)
         if entry.refused:
             return self.fn(*args)
         if entry.graph is not None:
@@ -150,28 +150,28 @@ class CapturedGraph:
                 self.owns_outputs = self.replayed = True
                 return entry.outputs
             entry.graph.reset()
-            self.entries[key] = entry = _Entry(self.warmups)
+            self.entries[point] = entry = _Entry(self.warmups)
             self.report.recaptures += 1
             self.report.recapture_reasons[f"{self.name}: {recapture}"] += 1
         if not self.checked:
-            return self._first_run(key, args)
+            return self._first_run(point, args)
         if entry.warmups_left > 0:
             entry.warmups_left -= 1
             with warmup_stream(_device(args)):
                 outputs = self.fn(*args)
             entry.layouts = layouts(outputs, args)
             return outputs
-        return self._capture(key, entry, args)
+        return self._capture(point, entry, args)
 
-    def _first_run(self, key: tuple, args: tuple) -> Any:
+    def _first_run(self, point: tuple, args: tuple) -> Any:
         """A warm-up that also finds, before any capture starts, what a device graph could not replay."""
         guard = CaptureGuard(collect=True)
         with warmup_stream(_device(args)), guard:
             outputs = self.fn(*args)
         self.checked = True
         self.groups = guard.groups
-        self.entries[key].warmups_left -= 1
-        self.entries[key].layouts = layouts(outputs, args)
+        self.entries[point].warmups_left -= 1
+        self.entries[point].layouts = layouts(outputs, args)
         if guard.problems:
             first = guard.problems[0]
             self.refused = f"{first.op} at {first.location}: {first.message}"
@@ -183,12 +183,12 @@ class CapturedGraph:
             self.report.fallback(f"use_cudagraph: capture of {self.name} refused: {self.refused}")
         return outputs
 
-    def _capture(self, key: tuple, entry: _Entry, args: tuple) -> Any:
+    def _capture(self, point: tuple, entry: _Entry, args: tuple) -> Any:
         start = time.perf_counter()
         device = _device(args)
         limit = self._pool_limit()
-        if limit is not None and self.pool_bytes_at(key[0] or 0) > limit:
-            return self._refuse_budget(key, entry, self.pool_bytes_at(key[0] or 0), limit, self.fn(*args))
+        if limit is not None and self.pool_bytes_at(point[0] or 0) > limit:
+            return self._refuse_budget(point, entry, self.pool_bytes_at(point[0] or 0), limit, self.fn(*args))
         graph = DeviceGraph(device, self.config.capture_error_mode, self.pool.get(device))
         hows = [_how(a, static) for a, static in zip(args, self.static)]
         if graph.rebinds:
@@ -208,14 +208,14 @@ class CapturedGraph:
             graph.abort()
             if not self.groups:  # with collectives, the ranks must hear of it first (below)
                 ran = outputs if graph.executes_during_capture else self.fn(*args)
-                return self._refuse_budget(key, entry, self._own_bytes() + over.needed, limit, ran)
+                return self._refuse_budget(point, entry, self._own_bytes() + over.needed, limit, ran)
             error = over
         except BaseException as caught:
             graph.abort()
             if not self.groups:
                 raise
             error = caught  # the other ranks must hear of it before anyone raises or replays
-        if self.groups and not ranks_captured(self.groups, key[0] or 0, error is not None):
+        if self.groups and not ranks_captured(self.groups, point[0] or 0, error is not None):
             graph.reset()
             return self._refuse_on_every_rank(error, outputs, args, executed=graph.executes_during_capture)
         if error is not None:
@@ -230,15 +230,15 @@ class CapturedGraph:
         self.owns_outputs = True
         self.record.captures += 1
         self.pool.cuda_bytes += graph.pool_growth
-        self.report.captures.append(CaptureRecord(key[0], graph.nbytes, time.perf_counter() - start, self.name))
+        self.report.captures.append(CaptureRecord(point[0], graph.nbytes, time.perf_counter() - start, self.name))
         self._account()
         return outputs
 
     def release(self, size: int) -> None:
         """Let go of the device graphs at capture size `size`: reset, their memory
         back to the pool (a host arena shrinks to what the other graphs need)."""
-        for key in [k for k in self.entries if k[0] == size]:
-            graph = self.entries.pop(key).graph
+        for point in [p for p in self.entries if p[0] == size]:
+            graph = self.entries.pop(point).graph
             if graph is not None:
                 graph.reset()
                 self.report.pools.pop(id(graph), None)
@@ -280,11 +280,11 @@ class CapturedGraph:
             self.report.pools.update({id(e.graph): e.graph.nbytes for e in self.entries.values()
                                       if e.graph is not None})
 
-    def _refuse_budget(self, key: tuple, entry: _Entry, needed: int, available: int, outputs: Any) -> Any:
+    def _refuse_budget(self, point: tuple, entry: _Entry, needed: int, available: int, outputs: Any) -> Any:
         entry.refused = True
-        self.refused_sizes.add(key[0])
-        self.report.budget_refusals.append(BudgetRefusal(self.name, key[0], needed, available))
-        self.report.fallback(f"graph_memory_budget: capture of {self.name} at size {key[0]} refused: the graph "
+        self.refused_sizes.add(point[0])
+        self.report.budget_refusals.append(BudgetRefusal(self.name, point[0], needed, available))
+        self.report.fallback(f"graph_memory_budget: capture of {self.name} at size {point[0]} refused: the graph "
                              f"pools would hold {needed} bytes, {available} are left of the budget")
         return outputs
 

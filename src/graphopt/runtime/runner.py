@@ -3,7 +3,7 @@
 Dynamo runs its guards, then calls the runner with the graph's flat inputs. The
 runner reads the batch symbol's value, asks the dispatcher how to run it, copies
 the user inputs into static buffers padded to the capture size, runs the graph
-under that key (its captured parts replay), and slices the outputs back to the
+at that capture point (its captured parts replay), and slices the outputs back to the
 real batch:
 
     args -> batch -> Dispatch(mode, size) -> static args -> graph at (size, ...) -> outputs[:batch]
@@ -41,7 +41,7 @@ class GraphRunner:
     def __init__(self, graph: Callable, signature: Signature, captured: list[CapturedGraph],
                  config: GraphOptimizationConfig, report: Report, callers: set[int] | None = None,
                  graph_key: str | None = None):
-        """`graph` runs the compiled graph; its `captured` parts replay when called under a key.
+        """`graph` runs the compiled graph; its `captured` parts replay when called at a capture point.
         `callers`: the threads that have called the step, shared by all its runners.
         `graph_key`: the graph's compile cache key, under which "auto" keeps its traffic."""
         self.graph = graph
@@ -63,10 +63,10 @@ class GraphRunner:
             report.capture_sizes = report.planned_sizes()
         sizes = self.planner.sizes if self.planner is not None else config.cudagraph_capture_sizes
         if config.auto_capture_sizes and not signature.has_batch:
-            sizes = [config.max_num_seqs]  # a graph without a batch has one key whatever the sizes
+            sizes = [config.max_num_seqs]  # a graph without a batch has one capture point whatever the sizes
         self.dispatcher = Dispatcher(sizes, padding, planned=self.planner is not None)
         self.inputs = StaticInputs(signature, config.largest_capture_size(), config.clone_input)
-        # A graph that is one captured piece is handed its key; a split graph's pieces read it from running_at().
+        # A graph that is one captured piece is handed its capture point; a split graph's pieces read it from running_at().
         self._run_at = graph.run_at if isinstance(graph, CapturedGraph) else self._run_pieces_at
         self.other_values: set[tuple] = set()
         # Graphs of one pool share memory: they must never replay at once, across runners too.
@@ -85,13 +85,13 @@ class GraphRunner:
         route = self._route(args)
         if route is None:
             return self.graph(*args)
-        batch, size, key, traffic = route
+        batch, size, point, traffic = route
         with self.lock:
             self.callers.add(threading.get_ident())
             static_args = self.inputs.fill(list(args), batch, size)
             if self.handed_out and _any_alive(self.handed_out):
                 self._warn_held_outputs()
-            outputs = self._run_at(key, static_args)
+            outputs = self._run_at(point, static_args)
             if traffic:
                 if batch is not None:
                     self.report.padded_rows += size - batch
@@ -100,12 +100,12 @@ class GraphRunner:
                 self.report.steps_replayed += bool(replayed) and all(replayed)
             return self._hand_out(outputs, batch, size, args)
 
-    def _run_pieces_at(self, key: tuple, args: list) -> Any:
-        with running_at(key):
+    def _run_pieces_at(self, point: tuple, args: list) -> Any:
+        with running_at(point):
             return self.graph(*args)
 
     def _route(self, args: tuple) -> tuple[int | None, int | None, tuple, bool] | None:
-        """(batch, capture size, the key its graphs run at, whether the call is
+        """(batch, capture size, the capture point its graphs run at, whether the call is
         traffic), or None where the call runs the compiled graph directly: inputs
         a device graph cannot take, or a batch the dispatcher gives no graph (each
         logged once as a fallback). Traffic is counted and planned on here."""
@@ -134,10 +134,10 @@ class GraphRunner:
                 self.report.fallback(f"use_cudagraph: {dispatch.reason} (the batch: "
                                      f"{self.signature.batch_names}; declare it with dynamic_dims)")
             return None
-        other = self.signature.key_of(args) if self.signature.key_symints else ()
+        other = self.signature.other_sizes(args) if self.signature.other_symints else ()
         if other not in self.other_values:
             if len(self.other_values) >= MAX_OTHER_VALUES:
-                self.report.fallback(f"use_cudagraph: a size or number the graph reads ({self.signature.key_names}) "
+                self.report.fallback(f"use_cudagraph: a size or number the graph reads ({self.signature.other_names}) "
                                      f"took more than {MAX_OTHER_VALUES} values; new ones run without a "
                                      "device graph, since each would need a capture of its own")
                 return None

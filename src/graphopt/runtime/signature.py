@@ -38,11 +38,11 @@ class Signature:
     batch_dims: list[int | None]           # per input: its dim that is a batch symbol
     pads: list[float | int]                # per input: the value padded rows get
     batch_symints: list[int]               # SymInt inputs that are a batch symbol
-    key_symints: list[int]                 # SymInt inputs of other symbols: part of the graph key
+    other_symints: list[int]               # SymInt inputs of other symbols: part of the capture point
     out_dims: list[int | None]             # per output: its dim that is a batch symbol
     exact_reason: str | None = None        # why padding is illegal, or None
     static_batch: int | None = None        # a graph without a batch symbol: its fixed batch size
-    key_names: str = ""                    # where the key symbols come from, for messages
+    other_names: str = ""                  # where the other symbols come from, for messages
     batch_names: str = ""                  # which inputs' dims are the batch, for messages
     # SymInt outputs computed from SymInt inputs no tensor depends on (a token count a
     # sliding-window cache keeps as a Python int): (output, expression, {symbol: input}).
@@ -72,8 +72,8 @@ class Signature:
             raise BatchMismatch(f"the inputs sized by the batch disagree ({sorted(sizes)} rows)")
         return sizes.pop() if sizes else None
 
-    def key_of(self, args: Sequence[Any]) -> tuple:
-        return tuple(int(args[i]) for i in self.key_symints)
+    def other_sizes(self, args: Sequence[Any]) -> tuple:
+        return tuple(int(args[i]) for i in self.other_symints)
 
     def numbers_of(self, args: Sequence[Any]) -> dict[int, int]:
         """This call's number outputs, by output index."""
@@ -115,7 +115,7 @@ def signature_of(gm: torch.fx.GraphModule, dynamic_dims: Mapping[str, int] | Non
     kinds = ["mutated" if w and kind == "input" else kind for (kind, _, _), w in zip(inputs, written)]
     pads = [pad_values.get(name, 0) if name else 0 for _, name, _ in inputs]
     batch_dims: list[int | None] = []
-    batch_symints, key_symints, problems = [], [], []
+    batch_symints, other_symints, problems = [], [], []
     for i, (kind, name, example) in enumerate(inputs):
         where = f"input {name or i}"
         if kind == "symint":
@@ -126,7 +126,7 @@ def signature_of(gm: torch.fx.GraphModule, dynamic_dims: Mapping[str, int] | Non
             elif expr is not None and expr.free_symbols & batch:
                 problems.append(f"{where} is a size computed from the batch ({expr})")
             elif expr is not None:
-                key_symints.append(i)
+                other_symints.append(i)
             continue
         dim = _batch_dim(example, batch, where, problems) if isinstance(example, torch.Tensor) else None
         if dim is not None and kinds[i] == "static":
@@ -135,30 +135,30 @@ def signature_of(gm: torch.fx.GraphModule, dynamic_dims: Mapping[str, int] | Non
             problems.append(f"{where} is written in place by the graph and sized by the batch "
                             "(a KV cache per sequence)")
         batch_dims.append(dim)
-    key_symints, out_dims, number_outputs = _outputs(gm, inputs, batch, key_symints, problems)
+    other_symints, out_dims, number_outputs = _outputs(gm, inputs, batch, other_symints, problems)
     # The op that mixes rows names the user's line: it comes first.
     problems[:0] = [why for symbols, why in mixing.items() if batch & set(symbols) and why is not None]
-    return Signature(kinds, batch_dims, pads, batch_symints, key_symints, out_dims,
+    return Signature(kinds, batch_dims, pads, batch_symints, other_symints, out_dims,
                      exact_reason=problems[0] if problems else None,
                      static_batch=None if batch else _static_batch(inputs, dynamic_dims),
-                     key_names=", ".join(sorted({f"from argument {inputs[i][1]!r}" if inputs[i][1] else
-                                                 f"input {i}" for i in key_symints})),
+                     other_names=", ".join(sorted({f"from argument {inputs[i][1]!r}" if inputs[i][1] else
+                                                 f"input {i}" for i in other_symints})),
                      batch_names=", ".join(f"dim {dim} of {inputs[i][1] or f'input {i}'!r}"
                                            for i, dim in enumerate(batch_dims) if dim is not None),
                      number_outputs=number_outputs)
 
 
-def _outputs(gm: torch.fx.GraphModule, inputs: list, batch: set, key_symints: list[int],
+def _outputs(gm: torch.fx.GraphModule, inputs: list, batch: set, other_symints: list[int],
              problems: list[str]) -> tuple[list[int], list[int | None], list]:
-    """(the key's SymInt inputs, each output's batch dim, the number outputs the
-    runtime computes from key symbols): a key symbol that reaches no tensor is left
-    out of the key, unless an output needs it and the runtime could not compute it."""
-    symbols = {expr: i for i in key_symints if isinstance(expr := _compat.symbol_of(inputs[i][2]), sympy.Symbol)}
+    """(the other symbols' SymInt inputs, each output's batch dim, the number outputs
+    the runtime computes from other symbols): an other symbol that reaches no tensor
+    is left out of the capture point, unless an output needs it and the runtime could not compute it."""
+    symbols = {expr: i for i in other_symints if isinstance(expr := _compat.symbol_of(inputs[i][2]), sympy.Symbol)}
     numbers_only = _reaching_no_tensor(gm, symbols)
     for value in _output_values(gm):
         if (expr := _compat.symbol_of(value)) is not None and not expr.free_symbols <= set(symbols):
             numbers_only = {k: v for k, v in numbers_only.items() if k not in expr.free_symbols}
-    key_symints = [i for i in key_symints if i not in numbers_only.values()]
+    other_symints = [i for i in other_symints if i not in numbers_only.values()]
     number_outputs = []
     out_dims = []
     for i, value in enumerate(_output_values(gm)):
@@ -172,7 +172,7 @@ def _outputs(gm: torch.fx.GraphModule, inputs: list, batch: set, key_symints: li
             problems.append(f"{where} is a size computed from the batch ({expr})")
         elif expr is not None and expr.free_symbols & set(numbers_only):
             number_outputs.append((i, expr, {symbol: symbols[symbol] for symbol in expr.free_symbols}))
-    return key_symints, out_dims, number_outputs
+    return other_symints, out_dims, number_outputs
 
 
 def _reaching_no_tensor(gm: torch.fx.GraphModule, symbols: dict) -> dict:
