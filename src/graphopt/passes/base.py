@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from .._compat import known_true, same_sizes
+from .._compat import known_true, same_sizes, written_arguments
 from .._compat.names import OpOverload
 from ..kernels.collective import is_collective_op
 
@@ -123,11 +123,9 @@ def written_roots(graph: torch.fx.Graph) -> set[torch.fx.Node]:
         if isinstance(target, OpOverload):
             if not target._schema.is_mutable:
                 continue
-            for i, arg in enumerate(target._schema.arguments):
-                if arg.alias_info is not None and arg.alias_info.is_write:
-                    value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-                    values = value if isinstance(value, (list, tuple)) else [value]
-                    roots.update(alias_root(v) for v in values if isinstance(v, torch.fx.Node))
+            for value in written_arguments(target, node.args, node.kwargs):
+                values = value if isinstance(value, (list, tuple)) else [value]
+                roots.update(alias_root(v) for v in values if isinstance(v, torch.fx.Node))
         elif has_effect(node):  # an unknown effect may write any input
             roots.update(alias_root(v) for v in node.all_input_nodes)
     return roots

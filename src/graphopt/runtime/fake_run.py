@@ -76,7 +76,7 @@ class _OpWatcher(TorchDispatchMode):
             if str(func) in self.splitting_ops or str(func.overloadpacket) in self.splitting_ops:
                 reason = f"{func.overloadpacket} is in cudagraph_splitting_ops"
             elif (problem := problem_of(func, args, kwargs)) is not None:
-                reason = _without_location(problem.message)
+                reason = problem.summary
             if reason is not None:
                 self.found[self.node] = f"{reason} (at {_location(self.node)})"
         out = func(*args, **kwargs)
@@ -104,10 +104,6 @@ class _NodeInterpreter(torch.fx.Interpreter):
             return super().run_node(node)
         finally:
             self.watcher.node = None
-
-
-def _without_location(message: str) -> str:
-    return re.sub(r", at [^:]*:\d+:", ":", message, count=1).split(" To fix:")[0]
 
 
 def _mixed_output(state: BatchRows, outputs: Any) -> str | None:

@@ -76,11 +76,13 @@ _PAGEABLE = ("a copy from pageable host memory to CUDA",
 @dataclass
 class CaptureProblem:
     """One operation that cannot be captured: its ATen name, the full explanation
-    (what, why, what to do, where) and the user's `file:line`."""
+    (what, why, what to do, where), the user's `file:line`, and the explanation
+    without the fix and the place (`summary`: for a message that names its own place)."""
 
     op: str
     message: str
     location: str
+    summary: str
 
 
 class CaptureError(RuntimeError):
@@ -154,7 +156,7 @@ def problem_of(func: Any, args: tuple, kwargs: dict) -> CaptureProblem | None:
     op = str(func.overloadpacket)
     location = user_location()
     message = f"{op} ({spelled}) cannot be captured in a device graph, at {location}: it {why}. To fix: {fix}."
-    return CaptureProblem(op, message, location)
+    return CaptureProblem(op, message, location, f"{op} ({spelled}) cannot be captured in a device graph: it {why}.")
 
 
 def named_arguments(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
