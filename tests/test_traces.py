@@ -398,14 +398,17 @@ def test_guard_sources_are_read_by_a_walker_never_evaluated():
     of an arbitrary function, a computed index) is refused, not run."""
     reader = traces.dynamo_traces.source_reader
     module_globals = {"torch": torch}
-    frame = {"d": {"k": scaled}, "f": returns_tuple(scaled)}
+    frame = {"d": {"k": scaled}, "f": returns_tuple(scaled), "r": {"a": 0, "b": {"k": scaled}}}
     for source, value in [("G['torch'].nn.functional", torch.nn.functional), ("dict.__getitem__(L['d'], 'k')", scaled),
+                          ("dict.__getitem__(L['r'], list(dict.keys(L['r']))[1])['k']", scaled),
+                          ("list(dict.keys(L['r']))[1]", "b"),
                           ("L['f'].__closure__[0].cell_contents", scaled), ("type(L['d'])", dict),
                           ("G['__import_torch_dot_nn'].Linear", torch.nn.Linear), ("getattr(L['f'], '__name__')",
                                                                                   "scaled")]:
         assert traces.dynamo_traces.read_source(reader(source), frame, module_globals) == value, source
     for source in ["__import__('os').getcwd()", "G['torch'].cat()", "L['d'][len(L['d'])]", "eval('1')",
-                   "L['x'].size()[0]", "G['__import_no_such_module'].x", "lambda: 0"]:
+                   "L['x'].size()[0]", "G['__import_no_such_module'].x", "lambda: 0",
+                   "dict.__getitem__(L['r'], list(dict.keys(L['d']))[0])"]:
         assert reader(source) is None, source
 
 

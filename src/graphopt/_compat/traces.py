@@ -314,7 +314,8 @@ def source_reader(name: str) -> tuple[int, Any, tuple[Callable, ...]] | None:
     """A guard's source (`G['torch'].nn`, `L['self']._modules['proj']`) as (root,
     key, steps): its value is `source_roots(L, G)[root][key]`, each step applied in
     turn. Read by a walker over its syntax tree, never evaluated: subscripts by a
-    constant, attributes and the lookups Dynamo writes as calls; None for any other."""
+    constant, attributes, a dict's i-th key or item and the lookups Dynamo writes
+    as calls; None for any other."""
     try:
         return _walk(ast.parse(name, mode="eval").body)
     except (SyntaxError, ValueError, KeyError, ImportError):
@@ -329,6 +330,11 @@ def _walk(node: ast.expr) -> tuple[int, Any, tuple[Callable, ...]]:
                                     if key.startswith("__import_") else builtins.__dict__)
                 return ALIASES, key, ()
             return (LOCALS if root == "L" else GLOBALS), key, ()
+        case ast.Subscript() if (nth := _nth_key(node)) is not None:
+            inner, step = nth[0], functools.partial(_key_at, nth[1])
+        case ast.Call(func=ast.Attribute(value=ast.Name(id="dict"), attr="__getitem__"), args=[inner, keyed],
+                      keywords=[]) if (nth := _nth_key(keyed)) is not None and ast.dump(nth[0]) == ast.dump(inner):
+            step = functools.partial(_value_at, nth[1])
         case ast.Subscript(value=inner, slice=ast.Constant(value=key)):
             step = operator.itemgetter(key)
         case ast.Attribute(value=inner, attr=attr):
@@ -344,6 +350,24 @@ def _walk(node: ast.expr) -> tuple[int, Any, tuple[Callable, ...]]:
             raise ValueError(f"not a source graphopt reads: {ast.unparse(node)}")
     root, first, steps = _walk(inner)
     return root, first, (*steps, step)
+
+
+def _nth_key(node: ast.expr) -> tuple[ast.expr, int] | None:
+    """(d, i) for Dynamo's `list(dict.keys(d))[i]`, the dict's i-th key, else None."""
+    match node:
+        case ast.Subscript(value=ast.Call(func=ast.Name(id="list"), args=[ast.Call(
+                func=ast.Attribute(value=ast.Name(id="dict"), attr="keys"), args=[of])]),
+                slice=ast.Constant(value=int() as index)):
+            return of, index
+    return None
+
+
+def _key_at(index: int, mapping: dict) -> Any:
+    return list(dict.keys(mapping))[index]
+
+
+def _value_at(index: int, mapping: dict) -> Any:
+    return dict.__getitem__(mapping, _key_at(index, mapping))
 
 
 # Dynamo's names for modules (`__import_torch_dot_nn`) and the builtins dict, which
