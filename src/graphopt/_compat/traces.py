@@ -93,7 +93,8 @@ def trace(fn: Callable, args: tuple, kwargs: dict, backend: Callable, keep_guard
         with torch._functorch.config.patch(settings):
             return convert_frame.preserve_global_state(backend)(gm, example_inputs)
 
-    compiled = torch.compile(fn, fullgraph=True, backend=compile_graph, options={"guard_filter_fn": keep_guards})
+    with torch._dynamo.config.patch(enable_aot_compile=True):  # off by default before torch 2.13
+        compiled = torch.compile(fn, fullgraph=True, backend=compile_graph, options={"guard_filter_fn": keep_guards})
     with _quiet("torch._guards"):  # a guard that cannot be stored reaches the caller as its exception
         traced = compiled.aot_compile((args, kwargs))
     # Modules the bytecode reads under names Dynamo made up for this process
