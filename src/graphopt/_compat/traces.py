@@ -97,7 +97,9 @@ def trace(fn: Callable, args: tuple, kwargs: dict, backend: Callable, keep_guard
         with torch._functorch.config.patch(settings):
             return convert_frame.preserve_global_state(backend)(gm, example_inputs)
 
-    with torch._dynamo.config.patch(enable_aot_compile=True):  # off by default before torch 2.13
+    # Off by default before torch 2.13; a torch without the switch has the API on.
+    switch = {"enable_aot_compile": True} if hasattr(torch._dynamo.config, "enable_aot_compile") else {}
+    with torch._dynamo.config.patch(switch):
         compiled = torch.compile(fn, fullgraph=True, backend=compile_graph, options={"guard_filter_fn": keep_guards})
     with _quiet("torch._guards"):  # a guard that cannot be stored reaches the caller as its exception
         traced = compiled.aot_compile((args, kwargs))
