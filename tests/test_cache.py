@@ -59,6 +59,38 @@ def test_second_start_loads_the_graph_and_its_report(decoder, tmp_path):
     assert "loaded from the compile cache" in str(second) and "1 hits" in str(second)
 
 
+@pytest.mark.parametrize("cache_traces", [False, True])
+def test_a_step_that_records_autograd_keeps_its_backward_out_of_the_cache(tmp_path, cache_traces):
+    """AOTAutograd compiles a training step's forward, then at its first backward
+    the backward, through one compiler: a cache entry holding the forward's key
+    would end up with the backward graph, which a later start then ran as its
+    forward. Such graphs are compiled without the cache, and say so."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    for start in range(2):
+        torch._dynamo.reset()
+        cfg = graphopt.GraphOptimizationConfig(cache_dir=str(tmp_path), use_cudagraph=False, cache_traces=cache_traces)
+        step = graphopt.optimize(model, cfg)
+        for _ in range(2):
+            x = torch.randn(3, 8)
+            model.zero_grad()
+            step(x).square().sum().backward()
+            ours = [p.grad.clone() for p in model.parameters()]
+            model.zero_grad()
+            model(x).square().sum().backward()
+            for got, expected in zip(ours, (p.grad for p in model.parameters())):
+                torch.testing.assert_close(got, expected)
+        report = step.report()
+        assert (report.cache_hits, report.cache_misses) == (0, 0), start
+        assert any("records autograd" in reason for reason in report.fallbacks)
+    with torch.no_grad():  # the inference graph of the same step still goes through the cache
+        torch._dynamo.reset()
+        step = graphopt.optimize(model, graphopt.GraphOptimizationConfig(cache_dir=str(tmp_path), use_cudagraph=False))
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(step(x), model(x))
+        assert step.report().cache_misses == 1
+
+
 def test_level_1_hit_skips_aot_autograd_and_the_passes(decoder, tmp_path, monkeypatch):
     run(decoder, tmp_path)
 

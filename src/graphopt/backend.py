@@ -206,12 +206,18 @@ class Backend:
         """Level 1: AOTAutograd, the passes, lowering. Where AOTAutograd's runtime
         wrapper would only call the graph, the graph runs without it (a cache hit
         then skips AOTAutograd too); a cache hit skips the passes."""
+        inference = not (torch.is_grad_enabled() and any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in real_inputs))
+        if not inference and key is not None:
+            # AOTAutograd compiles the forward and, at the first backward, the backward
+            # through the same compiler, and an entry holds one graph.
+            self._report.fallback("cache_dir: a graph that records autograd (grad mode on, inputs that require "
+                                  "grad) is compiled without the compile cache")
+            key = None
         stored = self.cache.load(key)
         if stored is not None and stored["direct"] is not None:
             self._restore(stored, record)
             return compat_cache.call_like_aot(cache.load_graph(stored["lowered"]), stored["direct"])
-        inference = not (torch.is_grad_enabled() and any(
-            isinstance(x, torch.Tensor) and x.requires_grad for x in real_inputs))
 
         direct: list[Callable] = []
 
