@@ -84,6 +84,18 @@ def assert_close_tree(actual, expected, where: str) -> None:
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"
 
 
+
+def assert_gradients_match(step, model: torch.nn.Module, x: torch.Tensor) -> None:
+    """The gradients of `step(x).square().sum()` on `model`'s parameters equal eager's."""
+    model.zero_grad()
+    step(x).square().sum().backward()
+    ours = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).square().sum().backward()
+    for got, expected in zip(ours, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(got, expected)
+
+
 class Switch(torch.nn.Module):
     """A linear then `act`: a forward that branches on a module attribute, which only
     Dynamo's guard on that attribute sees change."""

@@ -26,6 +26,7 @@ from graphopt.backend import Backend
 from graphopt.config import GraphOptimizationConfig
 from graphopt.models import generate
 from graphopt.report import Report
+from support import assert_gradients_match
 
 PROMPTS = torch.randint(500, (3, 6), generator=torch.Generator().manual_seed(0))
 
@@ -72,14 +73,7 @@ def test_a_step_that_records_autograd_keeps_its_backward_out_of_the_cache(tmp_pa
         cfg = graphopt.GraphOptimizationConfig(cache_dir=str(tmp_path), use_cudagraph=False, cache_traces=cache_traces)
         step = graphopt.optimize(model, cfg)
         for _ in range(2):
-            x = torch.randn(3, 8)
-            model.zero_grad()
-            step(x).square().sum().backward()
-            ours = [p.grad.clone() for p in model.parameters()]
-            model.zero_grad()
-            model(x).square().sum().backward()
-            for got, expected in zip(ours, (p.grad for p in model.parameters())):
-                torch.testing.assert_close(got, expected)
+            assert_gradients_match(step, model, torch.randn(3, 8))
         report = step.report()
         assert (report.cache_hits, report.cache_misses) == (0, 0), start
         assert any("records autograd" in reason for reason in report.fallbacks)

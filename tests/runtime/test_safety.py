@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graphopt.runtime.host_graph import HostGraph
 from graphopt.runtime.safety import CaptureError, CaptureGuard, CaptureProblem, check
+from support import assert_gradients_match
 
 HERE = os.path.basename(__file__)
 
@@ -183,14 +184,7 @@ def test_a_step_that_records_autograd_is_not_captured_and_its_gradients_stay_rig
                                               cudagraph_capture_sizes=[2, 4], cudagraph_num_of_warmups=1)
     opt = graphopt.optimize(model, config)
     for _ in range(4):
-        x = torch.randn(3, 8, device=device)
-        model.zero_grad()
-        opt(x).square().sum().backward()
-        ours = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad()
-        model(x).square().sum().backward()
-        for got, expected in zip(ours, (p.grad for p in model.parameters())):
-            torch.testing.assert_close(got, expected)
+        assert_gradients_match(opt, model, torch.randn(3, 8, device=device))
     report = opt.report()
     assert report.replays == 0
     assert any("records autograd history" in reason and "torch.no_grad()" in reason for reason in report.fallbacks)
