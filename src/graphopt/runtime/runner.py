@@ -66,7 +66,8 @@ class GraphRunner:
             sizes = [config.max_num_seqs]  # a graph without a batch has one capture point whatever the sizes
         self.dispatcher = Dispatcher(sizes, padding, planned=self.planner is not None)
         self.inputs = StaticInputs(signature, config.largest_capture_size(), config.clone_input)
-        # A graph that is one captured piece is handed its capture point; a split graph's pieces read it from running_at().
+        # A graph that is one captured piece is handed its capture point; a split graph's
+        # pieces read it from running_at().
         self._run_at = graph.run_at if isinstance(graph, CapturedGraph) else self._run_pieces_at
         self.other_values: set[tuple] = set()
         # Graphs of one pool share memory: they must never replay at once, across runners too.

@@ -82,7 +82,7 @@ class CaptureProblem:
     op: str
     message: str
     location: str
-    summary: str
+    summary: str = ""
 
 
 class CaptureError(RuntimeError):
@@ -155,8 +155,8 @@ def problem_of(func: Any, args: tuple, kwargs: dict) -> CaptureProblem | None:
     spelled, why, fix = rule
     op = str(func.overloadpacket)
     location = user_location()
-    message = f"{op} ({spelled}) cannot be captured in a device graph, at {location}: it {why}. To fix: {fix}."
-    return CaptureProblem(op, message, location, f"{op} ({spelled}) cannot be captured in a device graph: it {why}.")
+    what = f"{op} ({spelled}) cannot be captured in a device graph"
+    return CaptureProblem(op, f"{what}, at {location}: it {why}. To fix: {fix}.", location, f"{what}: it {why}.")
 
 
 def named_arguments(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
