@@ -445,3 +445,28 @@ def test_a_guard_torch_cannot_store_leaves_the_step_to_dynamo(decoder, tmp_path,
     second = start(decoder, tmp_path)
     assert torch.equal(generate(decoder, PROMPTS, 6, step=second), expected)
     assert any("an earlier process could not store its trace" in r for r in second.report().fallbacks)
+
+
+def test_a_torch_nn_container_is_traced_once_and_stored(tmp_path, monkeypatch):
+    """torch.compile traces a forward from torch's own files (`nn.Sequential`)
+    through a `(*args, **kwargs)` wrapper of its own: a trace's guards are checked on
+    that frame (else every call would trace again), and a trace made while the
+    parameters hold gradients (after a training step) still stores and loads."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model(torch.randn(2, 8)).sum().backward()
+    x = torch.randn(3, 8)
+    cfg = graphopt.GraphOptimizationConfig(graph_opt_level=1, use_cudagraph=False, cache_dir=str(tmp_path))
+    first = graphopt.optimize(model, cfg)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(first(x), model(x))
+    assert (len(first.report().graphs), first.report().traces_stored) == (1, 1)
+    assert not first.report().fallbacks
+    torch._dynamo.reset()
+    second = graphopt.optimize(model, cfg)
+    with monkeypatch.context() as patch, torch.no_grad():
+        no_tracing(patch)
+        x = x.clone()  # a new process's input, without the dims the first start marked
+        torch.testing.assert_close(second(x), model(x))
+    assert second.report().traces_used == 1
