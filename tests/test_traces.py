@@ -20,6 +20,7 @@ import torch._dynamo
 
 import graphopt
 from graphopt import traces
+from graphopt._compat import guard_sources
 from graphopt.backend import Backend
 from graphopt.models import decoder as decoder_module
 from graphopt.models import generate
@@ -396,7 +397,7 @@ def test_guard_sources_are_read_by_a_walker_never_evaluated():
     """Dynamo's guard sources are read by walking their syntax: subscripts by a
     constant, attributes, the lookups Dynamo writes as calls. Anything else (a call
     of an arbitrary function, a computed index) is refused, not run."""
-    reader = traces.dynamo_traces.source_reader
+    reader = guard_sources.reader
     module_globals = {"torch": torch}
     frame = {"d": {"k": scaled}, "f": returns_tuple(scaled), "r": {"a": 0, "b": {"k": scaled}}}
     for source, value in [("G['torch'].nn.functional", torch.nn.functional), ("dict.__getitem__(L['d'], 'k')", scaled),
@@ -405,7 +406,7 @@ def test_guard_sources_are_read_by_a_walker_never_evaluated():
                           ("L['f'].__closure__[0].cell_contents", scaled), ("type(L['d'])", dict),
                           ("G['__import_torch_dot_nn'].Linear", torch.nn.Linear), ("getattr(L['f'], '__name__')",
                                                                                   "scaled")]:
-        assert traces.dynamo_traces.read_source(reader(source), frame, module_globals) == value, source
+        assert guard_sources.read(reader(source), frame, module_globals) == value, source
     for source in ["__import__('os').getcwd()", "G['torch'].cat()", "L['d'][len(L['d'])]", "eval('1')",
                    "L['x'].size()[0]", "G['__import_no_such_module'].x", "lambda: 0",
                    "dict.__getitem__(L['r'], list(dict.keys(L['d']))[0])"]:
@@ -433,7 +434,7 @@ def test_a_guard_torch_cannot_store_leaves_the_step_to_dynamo(decoder, tmp_path,
     """An identity guard whose source graphopt does not read stays Dynamo's, which
     cannot store it: torch's trace fails, Dynamo's dispatch runs the step, and a
     later process goes to Dynamo without tracing for nothing."""
-    read = traces.dynamo_traces.source_reader
+    read = guard_sources.reader
     monkeypatch.setattr(traces.dynamo_traces, "source_reader",
                         lambda name: None if name == "G['repeat_kv']" else read(name))
     expected = generate(decoder, PROMPTS, 6)

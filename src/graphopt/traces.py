@@ -15,7 +15,7 @@ objects it found under the same names and recognised (`identity()`: a module by
 name, a function by its code). So are the guards on constants read through such
 an object (a wrapped function's `__name__`), which Dynamo could store but not
 check in a later process. Their sources are read by a walker over their syntax
-(`_compat.traces.source_reader`), never evaluated; a source it does not read
+(`_compat.guard_sources`), never evaluated; a source it does not read
 leaves the guard to Dynamo. A trace is also refused when a function it inlined
 has changed its source. Steps Dynamo cannot trace as one graph (graph breaks),
 with a guard torch cannot store (a dict's version: torch's trace fails, so
@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 from . import cache
+from ._compat import guard_sources
 from ._compat import recompile as compat_recompile
 from ._compat import trace_graph
 from ._compat import traces as dynamo_traces
@@ -168,12 +169,12 @@ class StoredTraces:
         each is what was traced (`_recognised()`); else the trace is refused."""
         objects = {}
         for name, expected in trace.identities.items():
-            reader = dynamo_traces.source_reader(name)
+            reader = guard_sources.reader(name)
             if reader is None:
                 self._refuse(trace, f"its guard on {name} is not one graphopt reads")
                 return None
             try:
-                objects[name] = dynamo_traces.read_source(reader, frame, self.globals)
+                objects[name] = guard_sources.read(reader, frame, self.globals)
             except Exception:  # noqa: BLE001 - a source that no longer reads names nothing
                 objects[name] = None
             if _recognised(objects[name]) != expected:
@@ -308,7 +309,7 @@ def _keep_guards(entries: list, objects: dict[str, Any], problems: list[str]) ->
     taken = tuple(objects)
     for i, entry in enumerate(entries):
         name = dynamo_traces.guard_name(entry)
-        readable = dynamo_traces.source_reader(name) is not None
+        readable = guard_sources.reader(name) is not None
         if keep[i] and readable and entry.has_value and _constant(entry.value) and name.startswith(
                 tuple(f"{source}{after}" for source in taken for after in ".[")):
             objects[name] = entry.value
@@ -319,10 +320,10 @@ def _keep_guards(entries: list, objects: dict[str, Any], problems: list[str]) ->
 def _keep_guard(entry: Any, objects: dict[str, Any], problems: list[str]) -> bool:
     name = dynamo_traces.guard_name(entry)
     unstorable = dynamo_traces.guard_type(entry) & dynamo_traces.unstorable_guard_types()
-    reader = dynamo_traces.source_reader(name)
+    reader = guard_sources.reader(name)
     if not unstorable or unstorable - IDENTITY_GUARDS or not entry.has_value or reader is None:
         # An identity guard graphopt cannot read stays Dynamo's, which cannot store it: no trace then.
-        module_global = reader is not None and reader[0] == dynamo_traces.GLOBALS and not reader[2]
+        module_global = reader is not None and reader[0] == guard_sources.GLOBALS and not reader[2]
         if module_global and not dynamo_traces.live_global_guards() and identity(entry.value) is None:
             problems.append(f"its guards read the module global {reader[1]}, which torch {torch.__version__} "
                             "would check in a later process against a copy taken when the trace is loaded")
@@ -338,10 +339,10 @@ def _identity_check(objects: dict[str, Any]) -> Callable:
     def expected(value: Any) -> tuple[Any, bool]:  # a string or number: an equal one will do
         return (_constant_identity(value), True) if _constant(value) and identity(value) is None else (value, False)
 
-    guards = tuple((*dynamo_traces.source_reader(name), *expected(value)) for name, value in objects.items())
+    guards = tuple((*guard_sources.reader(name), *expected(value)) for name, value in objects.items())
 
     def check(frame: dict, module_globals: dict) -> bool:
-        roots = dynamo_traces.source_roots(frame, module_globals)
+        roots = guard_sources.roots(frame, module_globals)
         try:
             for root, key, steps, expected, constant in guards:
                 value = roots[root][key]
