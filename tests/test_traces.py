@@ -435,7 +435,7 @@ def test_a_guard_torch_cannot_store_leaves_the_step_to_dynamo(decoder, tmp_path,
     cannot store it: torch's trace fails, Dynamo's dispatch runs the step, and a
     later process goes to Dynamo without tracing for nothing."""
     read = guard_sources.reader
-    monkeypatch.setattr(traces.dynamo_traces, "source_reader",
+    monkeypatch.setattr(guard_sources, "reader",
                         lambda name: None if name == "G['repeat_kv']" else read(name))
     expected = generate(decoder, PROMPTS, 6)
     first = start(decoder, tmp_path)
