@@ -10,7 +10,8 @@ Tools (bench, cli) and the package's `__init__` (the public API) may import anyt
 
 Imports inside functions count too: a deferred import is still a dependency.
 Private torch (`torch._dynamo`, `torch.utils._pytree`, ...) is named only in
-`_compat/`, so a torch upgrade that moves something breaks one folder.
+`_compat/`, so a torch upgrade that moves something breaks one folder. A module
+holds one idea and a function one step: no module past 400 lines, no function past 60.
 """
 
 from __future__ import annotations
@@ -109,3 +110,21 @@ def test_the_private_torch_check_sees_each_form():
              "import torch.distributed._functional_collectives as funcol", "isinstance(t, torch._ops.OpOverload)"]
     assert all(PRIVATE_TORCH.search(line) for line in lines)
     assert not any(PRIVATE_TORCH.search(line) for line in ["import torch.fx", "torch.ops.aten._to_copy", "t._base"])
+
+
+MODULE_LINES, FUNCTION_LINES = 400, 60
+
+
+def test_modules_and_functions_stay_readable_in_one_sitting():
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = path.read_text()
+        name = path.relative_to(PACKAGE)
+        if source.count("\n") > MODULE_LINES:
+            too_long.append(f"{name}: {source.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                    node.end_lineno - node.lineno >= FUNCTION_LINES:
+                too_long.append(f"{name}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not too_long, f"split these (modules <= {MODULE_LINES} lines, functions <= {FUNCTION_LINES}):\n" + \
+        "\n".join(too_long)

@@ -20,6 +20,7 @@ import torch._dynamo
 
 import graphopt
 from graphopt import traces
+from graphopt._compat import guard_sources
 from graphopt.backend import Backend
 from graphopt.models import decoder as decoder_module
 from graphopt.models import generate
@@ -390,3 +391,83 @@ def test_the_trace_reads_module_globals_as_they_are_now(tmp_path, monkeypatch):
     torch.testing.assert_close(step(x), x)
     monkeypatch.setattr(sys.modules[__name__], "WEIGHT", torch.full((3,), 2.0))
     torch.testing.assert_close(step(x), x * 2)
+
+
+def test_guard_sources_are_read_by_a_walker_never_evaluated():
+    """Dynamo's guard sources are read by walking their syntax: subscripts by a
+    constant, attributes, the lookups Dynamo writes as calls. Anything else (a call
+    of an arbitrary function, a computed index) is refused, not run."""
+    reader = guard_sources.reader
+    module_globals = {"torch": torch}
+    frame = {"d": {"k": scaled}, "f": returns_tuple(scaled), "r": {"a": 0, "b": {"k": scaled}}}
+    for source, value in [("G['torch'].nn.functional", torch.nn.functional), ("dict.__getitem__(L['d'], 'k')", scaled),
+                          ("dict.__getitem__(L['r'], list(dict.keys(L['r']))[1])['k']", scaled),
+                          ("list(dict.keys(L['r']))[1]", "b"),
+                          ("L['f'].__closure__[0].cell_contents", scaled), ("type(L['d'])", dict),
+                          ("G['__import_torch_dot_nn'].Linear", torch.nn.Linear), ("getattr(L['f'], '__name__')",
+                                                                                  "scaled")]:
+        assert guard_sources.read(reader(source), frame, module_globals) == value, source
+    for source in ["__import__('os').getcwd()", "G['torch'].cat()", "L['d'][len(L['d'])]", "eval('1')",
+                   "L['x'].size()[0]", "G['__import_no_such_module'].x", "lambda: 0",
+                   "dict.__getitem__(L['r'], list(dict.keys(L['d']))[0])"]:
+        assert reader(source) is None, source
+
+
+def test_a_stored_guard_graphopt_cannot_read_refuses_the_trace(decoder, tmp_path):
+    """An entry whose identity guard has a source the walker refuses is not used:
+    logged, and the step traced again."""
+    expected = generate(decoder, PROMPTS, 6)
+    first = start(decoder, tmp_path)
+    generate(decoder, PROMPTS, 6, step=first)
+    stored = first._step.traces
+    entry = stored.cache.load(stored.key)
+    entry["traces"][0]["identities"]["__import__('os').getcwd()"] = "constant None"
+    stored.cache.store(stored.key, entry)
+    second = start(decoder, tmp_path)
+    assert torch.equal(generate(decoder, PROMPTS, 6, step=second), expected)
+    assert (second.report().traces_used, second.report().traces_stored) == (0, 1)
+    assert any("its guard on __import__('os').getcwd() is not one graphopt reads" in r
+               for r in second.report().fallbacks)
+
+
+def test_a_guard_torch_cannot_store_leaves_the_step_to_dynamo(decoder, tmp_path, monkeypatch):
+    """An identity guard whose source graphopt does not read stays Dynamo's, which
+    cannot store it: torch's trace fails, Dynamo's dispatch runs the step, and a
+    later process goes to Dynamo without tracing for nothing."""
+    read = guard_sources.reader
+    monkeypatch.setattr(guard_sources, "reader",
+                        lambda name: None if name == "G['repeat_kv']" else read(name))
+    expected = generate(decoder, PROMPTS, 6)
+    first = start(decoder, tmp_path)
+    assert torch.equal(generate(decoder, PROMPTS, 6, step=first), expected)
+    assert first.report().traces_stored == 0
+
+    monkeypatch.setattr(traces.dynamo_traces, "trace", lambda *args: pytest.fail("traced again"))
+    second = start(decoder, tmp_path)
+    assert torch.equal(generate(decoder, PROMPTS, 6, step=second), expected)
+    assert any("an earlier process could not store its trace" in r for r in second.report().fallbacks)
+
+
+def test_a_torch_nn_container_is_traced_once_and_stored(tmp_path, monkeypatch):
+    """torch.compile traces a forward from torch's own files (`nn.Sequential`)
+    through a `(*args, **kwargs)` wrapper of its own: a trace's guards are checked on
+    that frame (else every call would trace again), and a trace made while the
+    parameters hold gradients (after a training step) still stores and loads."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model(torch.randn(2, 8)).sum().backward()
+    x = torch.randn(3, 8)
+    cfg = graphopt.GraphOptimizationConfig(graph_opt_level=1, use_cudagraph=False, cache_dir=str(tmp_path))
+    first = graphopt.optimize(model, cfg)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(first(x), model(x))
+    assert (len(first.report().graphs), first.report().traces_stored) == (1, 1)
+    assert not first.report().fallbacks
+    torch._dynamo.reset()
+    second = graphopt.optimize(model, cfg)
+    with monkeypatch.context() as patch, torch.no_grad():
+        no_tracing(patch)
+        x = x.clone()  # a new process's input, without the dims the first start marked
+        torch.testing.assert_close(second(x), model(x))
+    assert second.report().traces_used == 1

@@ -14,24 +14,27 @@ call, against the objects it was traced with, or, in a later process, against
 objects it found under the same names and recognised (`identity()`: a module by
 name, a function by its code). So are the guards on constants read through such
 an object (a wrapped function's `__name__`), which Dynamo could store but not
-check in a later process. A trace is also refused when a function it inlined
-has changed its source. Steps Dynamo cannot trace as one graph (graph breaks,
-guards on a dict's version), with module forward hooks, or whose trace an earlier
-process could not store, run under `torch.compile`'s own dispatch; so do all steps
-with `cache_traces=False`.
+check in a later process. Their sources are read by a walker over their syntax
+(`_compat.guard_sources`), never evaluated; a source it does not read
+leaves the guard to Dynamo. A trace is also refused when a function it inlined
+has changed its source. Steps Dynamo cannot trace as one graph (graph breaks),
+with a guard torch cannot store (a dict's version: torch's trace fails, so
+Dynamo's dispatch traces the step again, once), with module forward hooks, or
+whose trace an earlier process could not store, run under `torch.compile`'s own
+dispatch; so do all steps with `cache_traces=False`.
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
-import re
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from . import cache
+from ._compat import guard_sources
 from ._compat import recompile as compat_recompile
 from ._compat import trace_graph
 from ._compat import traces as dynamo_traces
@@ -42,8 +45,6 @@ MISS = object()       # what `StoredTraces.__call__` returns for a call Dynamo m
 # Identity guards a trace can check itself: `value is traced_value`.
 IDENTITY_GUARDS = frozenset({"ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH", "MODULE_MATCH", "CLOSURE_MATCH",
                              "NN_MODULE", "BUILTIN_MATCH"})
-_MINTED = re.compile(r"G\['((?:__import_|__builtins_dict__)[^']*)'\]")
-_GLOBAL = re.compile(r"G\['([^']+)'\]")
 
 
 @dataclass
@@ -80,7 +81,7 @@ class StoredTraces:
         self.cache = cache.CompileCache(backend.config.cache_dir, backend.report())
         self.key = cache.cache_key("stored traces", identity_of_step, _qualified(self.function))
         self.globals = self.function.__globals__  # a decorator's wrapper: its own module's, not __module__'s
-        self.frame = dynamo_traces.frame_binder(self.function)  # every trace's guards read the same locals
+        self.frame: Callable | None = None  # every trace's guards read the same locals: bound like the first's
         self.traces: list[_Trace] | None = None     # read from the cache on the first call
         self.untraceable: str | None = dynamo_traces.unsupported() or (
             None if traced else "its module's call is more than its forward method")
@@ -120,6 +121,7 @@ class StoredTraces:
                 continue
             if trace.traced is None and not self._load(trace):
                 continue
+            self.frame = self.frame or dynamo_traces.frame_binder(trace.traced)
             frame = frame or self.frame(full, kwargs)
             if self._fits(trace, frame):
                 return trace
@@ -135,7 +137,7 @@ class StoredTraces:
             if trace.objects is None:
                 return False
             trace.check = _identity_check(trace.objects)
-        if not _holds(trace.check, frame, self.globals):
+        if not trace.check(frame, self.globals):
             return False
         if not trace.bound:
             graph = dynamo_traces.trace_graph_of(trace.traced)
@@ -167,9 +169,13 @@ class StoredTraces:
         each is what was traced (`_recognised()`); else the trace is refused."""
         objects = {}
         for name, expected in trace.identities.items():
+            reader = guard_sources.reader(name)
+            if reader is None:
+                self._refuse(trace, f"its guard on {name} is not one graphopt reads")
+                return None
             try:
-                objects[name] = _evaluate(name, frame, self.globals)
-            except Exception:  # noqa: BLE001 - a source that no longer evaluates names nothing
+                objects[name] = guard_sources.read(reader, frame, self.globals)
+            except Exception:  # noqa: BLE001 - a source that no longer reads names nothing
                 objects[name] = None
             if _recognised(objects[name]) != expected:
                 self._refuse(trace, f"{name} is not the object it was traced with "
@@ -189,10 +195,17 @@ class StoredTraces:
         self.mark(args, kwargs)  # other dims become dynamic as Dynamo's automatic dynamic shapes decide
         objects: dict[str, Any] = {}
         problems: list[str] = []
+        guarded: list[bool] = []   # Dynamo reached the guards: the step is one graph
+
+        def keep(entries: list) -> list[bool]:
+            guarded.append(True)
+            return _keep_guards(entries, objects, problems)
+
         try:
-            traced, unstorable = dynamo_traces.trace(self.function, full, kwargs, self.backend.compile_for_trace,
-                                              lambda entries: _keep_guards(entries, objects, problems))
-        except Exception as error:  # noqa: BLE001 - a graph break, an unsupported construct: Dynamo runs it
+            traced = dynamo_traces.trace(self.function, full, kwargs, self.backend.compile_for_trace, keep)
+        except Exception as error:  # noqa: BLE001 - a graph break, a guard torch cannot store: Dynamo runs it
+            if guarded:
+                self._unstorable(_why(error))
             self._give_up(_why(error))
             return None
         # As Dynamo counts: a new graph for a step that already ran one in this process.
@@ -200,7 +213,7 @@ class StoredTraces:
         trace = _Trace(None, {}, torch.is_inference_mode_enabled(), traced, objects, _identity_check(objects),
                        bound=True)
         self.traces.append(trace)
-        self._store(trace, unstorable or (problems[0] if problems else None))
+        self._store(trace, problems[0] if problems else None)
         return trace
 
     def _store(self, trace: _Trace, unstorable: str | None) -> None:
@@ -216,16 +229,19 @@ class StoredTraces:
         except Exception as error:  # noqa: BLE001 - unpicklable state costs later processes a trace, not this one
             self.backend.report().fallback(f"cache_dir: a trace of {_qualified(self.function)} is used in this "
                                            f"process only: it cannot be stored ({_why(error)})")
-            if self.backend.config.graph_opt_level == 1 and not any(t.data is not None for t in self.traces):
-                # What refuses one trace (a guard, an object) refuses the step's next ones,
-                # so later processes let Dynamo dispatch. Not at level 2: Inductor's cache
-                # keys a graph from Dynamo's dispatch apart from the same graph traced here
-                # (their GraphModules' metadata differ), so the switch would compile again.
-                self.cache.store(self.key, {"traces": [], "unstorable": _why(error)})
+            self._unstorable(_why(error))
             return
         kept = [t.to_entry() for t in self.traces if t.data is not None and t.refused is None]
         self.cache.store(self.key, {"traces": kept[-compat_recompile.recompile_limit():], "unstorable": None})
         self.backend.report().traces_stored += 1
+
+    def _unstorable(self, reason: str) -> None:
+        if self.backend.config.graph_opt_level == 1 and not any(t.data is not None for t in self.traces):
+            # What refuses one trace (a guard, an object) refuses the step's next ones,
+            # so later processes let Dynamo dispatch. Not at level 2: Inductor's cache
+            # keys a graph from Dynamo's dispatch apart from the same graph traced here
+            # (their GraphModules' metadata differ), so the switch would compile again.
+            self.cache.store(self.key, {"traces": [], "unstorable": reason})
 
     def _give_up(self, reason: str) -> None:
         self.untraceable = reason
@@ -285,13 +301,16 @@ def _keep_guards(entries: list, objects: dict[str, Any], problems: list[str]) ->
     guards on constants read through an object it took over (a decorator's wrapped
     function's `__name__` or defaults: Dynamo cannot store that function, so could
     not check them in a later process); their sources and values go to `objects`.
-    Guards Dynamo cannot store (a dict's version), or could not check in a later
-    process (`problems`), keep the trace from being stored, not from running here."""
+    Guards Dynamo cannot store (a dict's version, an identity whose source graphopt
+    does not read) fail torch's trace: Dynamo's dispatch runs the step. Guards it
+    could not check in a later process (`problems`) keep the trace from being
+    stored, not from running here."""
     keep = [_keep_guard(entry, objects, problems) for entry in entries]
     taken = tuple(objects)
     for i, entry in enumerate(entries):
         name = dynamo_traces.guard_name(entry)
-        if keep[i] and entry.has_value and _constant(entry.value) and name.startswith(
+        readable = guard_sources.reader(name) is not None
+        if keep[i] and readable and entry.has_value and _constant(entry.value) and name.startswith(
                 tuple(f"{source}{after}" for source in taken for after in ".[")):
             objects[name] = entry.value
             keep[i] = False
@@ -301,11 +320,12 @@ def _keep_guards(entries: list, objects: dict[str, Any], problems: list[str]) ->
 def _keep_guard(entry: Any, objects: dict[str, Any], problems: list[str]) -> bool:
     name = dynamo_traces.guard_name(entry)
     unstorable = dynamo_traces.guard_type(entry) & dynamo_traces.unstorable_guard_types()
-    if not unstorable or unstorable - IDENTITY_GUARDS or not entry.has_value:
-        bound = _GLOBAL.fullmatch(name)
-        if bound and not _MINTED.fullmatch(name) and not dynamo_traces.live_global_guards() and \
-                identity(entry.value) is None:
-            problems.append(f"its guards read the module global {bound[1]}, which torch {torch.__version__} "
+    reader = guard_sources.reader(name)
+    if not unstorable or unstorable - IDENTITY_GUARDS or not entry.has_value or reader is None:
+        # An identity guard graphopt cannot read stays Dynamo's, which cannot store it: no trace then.
+        module_global = reader is not None and reader[0] == guard_sources.GLOBALS and not reader[2]
+        if module_global and not dynamo_traces.live_global_guards() and identity(entry.value) is None:
+            problems.append(f"its guards read the module global {reader[1]}, which torch {torch.__version__} "
                             "would check in a later process against a copy taken when the trace is loaded")
         return True
     objects[name] = entry.value
@@ -315,47 +335,26 @@ def _keep_guard(entry: Any, objects: dict[str, Any], problems: list[str]) -> boo
 def _identity_check(objects: dict[str, Any]) -> Callable:
     """One function (L: the frame's locals, G: its globals) -> whether every source
     in `objects` still holds the same object (a constant: an equal one). Like
-    Dynamo's guards, it reads G live."""
-    parts, values = [], []
-    for i, (name, value) in enumerate(objects.items()):
-        if _constant(value) and identity(value) is None:  # a string or number: equal will do
-            parts.append(f"C({_expression(name)}) == O[{i}]")
-            value = _constant_identity(value)
-        else:
-            parts.append(f"({_expression(name)}) is O[{i}]")
-        values.append(value)
-    scope = {**dynamo_traces.guard_helpers(), "O": values, "C": _constant_identity, "M": _ALIASES}
-    return eval("lambda L, G: " + (" and ".join(parts) or "True"), scope)  # noqa: S307 - Dynamo's guard sources
+    Dynamo's guards, it reads G live; a source that no longer reads does not hold."""
+    def expected(value: Any) -> tuple[Any, bool]:  # a string or number: an equal one will do
+        return (_constant_identity(value), True) if _constant(value) and identity(value) is None else (value, False)
 
+    guards = tuple((*guard_sources.reader(name), *expected(value)) for name, value in objects.items())
 
-def _evaluate(name: str, frame: dict, module_globals: dict) -> Any:
-    """The object under a guard's source in this frame."""
-    scope = {**dynamo_traces.guard_helpers(), "L": frame, "G": module_globals, "M": _ALIASES}
-    return eval(_expression(name), scope)  # noqa: S307 - Dynamo's guard sources
+    def check(frame: dict, module_globals: dict) -> bool:
+        roots = guard_sources.roots(frame, module_globals)
+        try:
+            for root, key, steps, expected, constant in guards:
+                value = roots[root][key]
+                for step in steps:
+                    value = step(value)
+                if (_constant_identity(value) != expected) if constant else (value is not expected):
+                    return False
+        except Exception:  # noqa: BLE001 - a source that no longer reads does not hold
+            return False
+        return True
 
-
-def _expression(name: str) -> str:
-    """A guard's source as Python over L, G and M (Dynamo's module aliases, `_ALIASES`)."""
-    return _MINTED.sub(lambda m: f"M[{m[1]!r}]", name)
-
-
-def _holds(check: Callable, frame: dict, module_globals: dict) -> bool:
-    try:
-        return bool(check(frame, module_globals))
-    except Exception:  # noqa: BLE001 - a source that no longer evaluates does not hold
-        return False
-
-
-class _Aliases(dict):
-    """Dynamo's names for modules (`__import_torch_dot_nn`) and the builtins dict,
-    which a later process's module globals lack: resolved by name, once."""
-
-    def __missing__(self, name: str) -> Any:
-        value = self[name] = dynamo_traces.minted_global(name)
-        return value
-
-
-_ALIASES = _Aliases()
+    return check
 
 
 def _code_digest(code: types.CodeType) -> str:

@@ -1,10 +1,29 @@
-"""Dynamo's stored traces (`torch._dynamo.aot_compile`), for `graphopt/traces.py`.
+"""Dynamo's stored traces on torch's precompile API, for `graphopt/traces.py`.
 
 A trace is what Dynamo makes of one call of a step: the frame's rewritten bytecode,
 its guards and the compiled graph it calls. `trace()` makes one without running the
-step; `dumps()` / `loads()` carry it to another process, where `guards_pass()` and
-`run()` use it without Dynamo tracing again. Guards Dynamo cannot store (object
-identities) are handed to the caller's filter, which keeps its own record of them.
+step (`torch.compile(fn, fullgraph=True, ...).aot_compile(...)`); `dumps()` / `loads()`
+carry it to another process (`torch.compiler.load_compiled_function`), where
+`guards_pass()` and `run()` use it without Dynamo tracing again. Guards Dynamo cannot
+store (object identities) go to the caller's filter, which keeps its own record.
+
+graphopt's own code, for what torch's does not do:
+- the backend compiles under the caller's AOTAutograd settings, not those
+  `aot_compile` sets for Inductor (with those, level 1 fails: "expected OutputCode");
+- `dumps` gives bytes for the compile cache (`AOTCompiledFunction.serialize`, which
+  `save_compiled_function` writes to a file), and before torch 2.15 pickles the
+  functions a module does not name (a decorator's wrapped one) by their code;
+- a loaded trace reads `fn`'s live closure, and its bytecode reads the module's
+  globals as they are at each call (`_read_globals_live`): torch's read copies;
+- a call checks the guards once (`guards_pass`, on locals from `frame_binder`, which
+  binds a plain positional call without `inspect`), not again in `__call__`;
+- `changed_source`: torch stores the inlined functions' source hashes, checks none.
+- a trace is made with the gradients of the call's tensors set aside: torch stores
+  a guarded tensor's `.grad` as a placeholder its loader rejects;
+torch's own behaviour kept: a kept guard it cannot store (a dict's version) fails
+`aot_compile` after the graph is compiled, and Dynamo's dispatch traces the step
+again (measured on the test decoder: about 1 s more, once, on a 35-50 s first start
+on 2 CPU cores; no step in graphopt's tests has such a guard).
 """
 
 from __future__ import annotations
@@ -14,6 +33,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import io
 import logging
 import sys
 import types
@@ -25,18 +45,13 @@ import torch
 def unsupported() -> str | None:
     """Why this torch cannot store traces, or None when it can."""
     try:
-        from torch._dynamo.aot_compile import AOTCompiledFunction, CompileArtifacts  # noqa: F401
+        from torch._dynamo.aot_compile import AOTCompiledFunction
         from torch._dynamo.aot_compile_types import SerializableCallable  # noqa: F401
     except ImportError as error:
         return f"torch {torch.__version__} has no torch._dynamo.aot_compile ({error})"
-    from torch._dynamo import convert_frame
-
-    if not all(hasattr(convert_frame, name) for name in ("fullgraph_capture", "get_traced_fn", "_get_signature",
-                                                         "preserve_global_state")):
-        return f"torch {torch.__version__}'s Dynamo lacks fullgraph_capture"
-    if not all(hasattr(AOTCompiledFunction, name) for name in ("serialize", "deserialize", "guard_check",
-                                                                 "prepare_f_locals", "disable_guard_check")):
-        return f"torch {torch.__version__}'s AOTCompiledFunction lacks the methods graphopt uses"
+    if not hasattr(torch.compiler, "load_compiled_function") or not all(
+            hasattr(AOTCompiledFunction, name) for name in ("serialize", "disable_guard_check")):
+        return f"torch {torch.__version__} lacks the precompile API graphopt uses"
     return None
 
 
@@ -63,63 +78,61 @@ def traced_function(fn: Callable) -> tuple[Callable, Any] | None:
     return fn, None
 
 
-def trace(fn: Callable, args: tuple, kwargs: dict, backend: Callable,
-          keep_guards: Callable[[list], list[bool]]) -> tuple[Any, str | None]:
-    """Trace `fn(*args, **kwargs)` as one graph, without running it, and compile the
-    graph with `backend` as torch.compile would. `keep_guards(entries)` says which
-    guards the trace keeps (an entry: Dynamo's GuardFilterEntry, with `.name`,
-    `.value`, `.guard_type`). Returns (the trace, why it cannot be stored or None): a trace
-    whose guards cannot be stored still runs in this process, every guard checked.
-
-    torch's own `aot_compile_fullgraph`, step by step, for two differences: the
-    backend compiles under the caller's AOTAutograd settings (aot_compile's are for
-    Inductor alone), and guards that cannot be stored cost the storing, not the trace.
-    """
+def trace(fn: Callable, args: tuple, kwargs: dict, backend: Callable, keep_guards: Callable[[list], list[bool]]) -> Any:
+    """Trace `fn(*args, **kwargs)` as one graph, without running it, with torch's
+    `aot_compile`, the graph compiled by `backend` as torch.compile would (outside
+    inference mode, the global state restored after). `keep_guards(entries)` says
+    which guards the trace keeps (an entry: Dynamo's GuardFilterEntry, with `.name`,
+    `.value`, `.guard_type`). Raises where the step is not one graph, or where a kept
+    guard cannot be stored."""
     from torch._dynamo import convert_frame
-    from torch._dynamo.aot_compile import AOTCompiledFunction, CompileArtifacts
-    from torch._dynamo.hooks import Hooks
-    from torch._dynamo.package import SourceInfo
-    from torch._dynamo.utils import dynamo_timed, get_metrics_context
-    from torch._dynamo.variables.torch_function import torch_function_mode_stack_state_mgr
 
-    hooks = Hooks(guard_filter_fn=keep_guards)
-    with get_metrics_context(), dynamo_timed("fullgraph_capture"), torch_function_mode_stack_state_mgr:
-        capture = convert_frame.fullgraph_capture(fn, args, kwargs)
-        output = capture.graph_capture_output
-        traced_fn, _ = convert_frame.get_traced_fn(fn)
-        backend_input = capture.backend_input
-        context = torch._guards.TracingContext(backend_input.fake_mode)
-        context.tensor_to_context = backend_input.tensor_to_context
-        # As Dynamo compiles: outside inference mode, the global state restored after.
-        compile_graph = convert_frame.preserve_global_state(backend)
-        with torch._guards.tracing(context):
-            compiled = compile_graph(backend_input.graph_module, backend_input.example_inputs)
-        with contextlib.ExitStack() as restored:
-            if torch_function_mode_stack_state_mgr.stack:
-                restored.enter_context(torch_function_mode_stack_state_mgr.temp_restore_stack())
-            try:
-                with _quiet("torch._guards"):  # a guard that cannot be stored is reported in `why`
-                    check = output.build_guards(traced_fn.__code__, hooks=hooks, save=True, strict_error=True)
-                why = None
-            except Exception as error:  # noqa: BLE001 - a guard or value pickle refuses: kept, not stored
-                check = output.build_guards(traced_fn.__code__, hooks=hooks, save=False)
-                why = f"{type(error).__name__}: {error}"
-        sources = SourceInfo(inlined_sources=set())
-        for code in output.traced_code:
-            sources.add_code(code)
-        runtime = output.get_runtime_env()
-        # Modules the bytecode reads under names Dynamo made up for this process
-        # (`___module_collections_<id>`): carried as modules, found again by name.
-        runtime.used_globals.update({ref: traced_fn.__globals__[ref] for ref in runtime.external_refs
-                                     if isinstance(traced_fn.__globals__.get(ref), types.ModuleType)})
-        artifacts = CompileArtifacts(
-            signature=convert_frame._get_signature(traced_fn), guard_manager=check.guard_manager,
-            guards_state=check.guards_state, backend_id=backend_input.backend_id, compiled_fn=compiled,
-            original_code=traced_fn.__code__, runtime_env=runtime, source_info=sources,
-            device_type=_device_type(backend_input.graph_module.graph), backend_name="graphopt")
-        traced = AOTCompiledFunction(_artifacts=artifacts, _extra_globals=traced_fn.__globals__)
-        _read_globals_live(traced, traced_fn.__globals__)
-        return traced, why
+    # aot_compile sets AOTAutograd's cache settings for Inductor around the backend
+    # (strict_autograd_cache raises on graphopt's level-1 compile): the caller's apply.
+    settings = {name: getattr(torch._functorch.config, name) for name in _AOT_COMPILE_SETTINGS
+                if hasattr(torch._functorch.config, name)}
+
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        with torch._functorch.config.patch(settings):
+            return convert_frame.preserve_global_state(backend)(gm, example_inputs)
+
+    # Off by default before torch 2.13; a torch without the switch has the API on.
+    switch = {"enable_aot_compile": True} if hasattr(torch._dynamo.config, "enable_aot_compile") else {}
+    with torch._dynamo.config.patch(switch):
+        compiled = torch.compile(fn, fullgraph=True, backend=compile_graph, options={"guard_filter_fn": keep_guards})
+    with _quiet("torch._guards"), _gradients_set_aside(args, kwargs):
+        traced = compiled.aot_compile((args, kwargs))
+    # Modules the bytecode reads under names Dynamo made up for this process
+    # (`___module_collections_<id>`): carried as modules, found again by name.
+    env = traced._artifacts.runtime_env
+    env.used_globals.update({ref: fn.__globals__[ref] for ref in env.external_refs
+                             if isinstance(fn.__globals__.get(ref), types.ModuleType)})
+    _read_globals_live(traced, fn.__globals__)
+    return traced
+
+
+@contextlib.contextmanager
+def _gradients_set_aside(args: tuple, kwargs: dict) -> Iterator[None]:
+    """The `.grad` of the call's tensors and its modules' parameters set to None
+    while the trace is made: torch stores a guarded tensor's gradient as a value it
+    cannot load back ("assigned grad expected to be a Tensor"). A step that reads
+    a gradient guards on it, fails that guard when called, and so is traced again
+    until it goes to Dynamo's dispatch: slow, never wrong."""
+    tensors = [value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)]
+    for module in (value for value in (*args, *kwargs.values()) if isinstance(value, torch.nn.Module)):
+        tensors.extend(module.parameters())
+    grads = [(tensor, tensor.grad) for tensor in tensors if tensor.grad is not None]
+    for tensor, _ in grads:
+        tensor.grad = None
+    try:
+        yield
+    finally:
+        for tensor, grad in grads:
+            tensor.grad = grad
+
+
+_AOT_COMPILE_SETTINGS = ("strict_autograd_cache", "bypass_autograd_cache_key", "bundled_autograd_cache",
+                         "force_non_lazy_backward_lowering", "force_autograd_cache")
 
 
 @contextlib.contextmanager
@@ -130,16 +143,6 @@ def _quiet(logger_name: str) -> Iterator[None]:
         yield
     finally:
         logger.disabled = disabled
-
-
-def _device_type(graph: torch.fx.Graph) -> str:
-    from torch._dynamo import graph_utils
-
-    if hasattr(graph_utils, "_graph_device_type"):
-        return graph_utils._graph_device_type(graph)
-    from torch._dynamo.package import _collapse_device_types
-
-    return _collapse_device_types(graph_utils._graph_device_types(graph))
 
 
 def compile_lock() -> Any:
@@ -239,14 +242,24 @@ def loads(data: bytes, fn: Callable) -> Any:
     from torch._dynamo.aot_compile import AOTCompiledFunction
 
     module_globals = fn.__globals__
-    live_scope = {"guard_globals": module_globals} if live_global_guards() else {}
     with _quiet("torch._guards"):  # a guard that cannot be built reaches the caller as its exception
-        traced = AOTCompiledFunction.deserialize(data, module_globals, **live_scope)
+        if live_global_guards():  # torch's public loader does not take `guard_globals`
+            traced = AOTCompiledFunction.deserialize(data, module_globals, guard_globals=module_globals)
+        else:
+            traced = torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=module_globals)
     traced.disable_guard_check()
     artifacts = traced._artifacts
-    artifacts.runtime_env = dataclasses.replace(artifacts.runtime_env, closure=fn.__closure__)
+    if not _through_wrapper(traced, fn):
+        artifacts.runtime_env = dataclasses.replace(artifacts.runtime_env, closure=fn.__closure__)
     _read_globals_live(traced, module_globals)
     return traced
+
+
+def _through_wrapper(traced: Any, fn: Callable) -> bool:
+    """Whether torch traced `fn` through a wrapper of its own (`wrap_inline`, for a
+    function in torch's files such as `nn.Sequential.forward`): the trace's frame is
+    the wrapper's `(*args, **kwargs)`, its closure holds `fn` itself."""
+    return traced._artifacts.original_code.co_qualname != fn.__code__.co_qualname
 
 
 class _LiveGlobals(dict):
@@ -279,19 +292,24 @@ def trace_graph_of(traced: Any) -> Any:
     return traced._artifacts.compiled_fn
 
 
-def frame_binder(fn: Callable) -> Callable[[tuple, dict], dict[str, Any]]:
-    """(args, kwargs) -> the locals a trace of `fn` checks its guards on: what
+def frame_binder(traced: Any) -> Callable[[tuple, dict], dict[str, Any]]:
+    """(args, kwargs) -> the locals a trace checks its guards on: what
     `AOTCompiledFunction.prepare_f_locals` builds (closure cells, then the bound
-    arguments), without `inspect`'s binding for a plain positional call, which
-    costs more than the guards themselves."""
-    signature = inspect.signature(fn, follow_wrapped=False)  # as Dynamo's _get_signature
-    names = tuple(signature.parameters)
-    plain = all(p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty for p in signature.parameters.values())
-    cells = tuple(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+    arguments), without `inspect`'s binding for a plain positional call or the
+    `(*args, **kwargs)` of torch's wrapper, which costs more than the guards."""
+    signature = traced._artifacts.signature
+    env = traced._artifacts.runtime_env
+    cells = tuple(zip(env.bytecode.co_freevars, env.closure or ()))
+    parameters = tuple(signature.parameters.values())
+    names = tuple(p.name for p in parameters)
+    plain = all(p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty for p in parameters)
+    starred = tuple(p.kind for p in parameters) == (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 
     def bind(args: tuple, kwargs: dict) -> dict[str, Any]:
         frame = {name: cell.cell_contents for name, cell in cells}
-        if plain and not kwargs and len(args) == len(names):
+        if starred:
+            frame[names[0]], frame[names[1]] = args, kwargs
+        elif plain and not kwargs and len(args) == len(names):
             frame.update(zip(names, args))
         else:
             bound = signature.bind(*args, **kwargs)
@@ -325,26 +343,6 @@ def changed_source(traced: Any) -> str | None:
         except (OSError, TypeError):
             return f"{source.module} (its source cannot be read)"
     return None
-
-
-def guard_helpers() -> dict[str, Any]:
-    """The helpers Dynamo's guard sources call (`___odict_getitem`, ...), by name."""
-    from torch._dynamo.guards import _get_closure_vars
-
-    return _get_closure_vars()
-
-
-def minted_global(name: str) -> Any:
-    """A global Dynamo adds to the traced function's module: an imported module
-    (`__import_torch_dot_nn`) or the builtins dict (`__builtins_dict___0`)."""
-    import builtins
-    import importlib
-
-    if name.startswith("__import_"):
-        return importlib.import_module(name[len("__import_"):].replace("_dot_", "."))
-    if name.startswith("__builtins_dict__"):
-        return builtins.__dict__
-    raise KeyError(name)
 
 
 FunctionsByCodePickler = _functions_by_code_pickler()
