@@ -56,6 +56,34 @@ def test_error_names_the_guard_and_the_value_and_leaves_the_model_usable():
         torch.testing.assert_close(opt(x), torch.relu(model.lin(x)))
 
 
+MODES = {"act": "relu"}
+
+
+class GlobalSwitch(torch.nn.Module):
+    """A linear then the activation a module global's item names."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return torch.relu(y) if MODES["act"] == "relu" else torch.tanh(y)
+
+
+def test_error_reads_the_value_of_a_global_item(monkeypatch):
+    """The value is read by walking the guard's source (a global, an item), never by
+    evaluating its text."""
+    monkeypatch.setitem(MODES, "act", "relu")
+    opt = graphopt.optimize(GlobalSwitch().eval(), graphopt.GraphOptimizationConfig(on_recompile="error"))
+    with torch.no_grad():
+        opt(torch.randn(4, 8))
+        MODES["act"] = "tanh"
+        with pytest.raises(graphopt.RecompileError) as raised:
+            opt(torch.randn(4, 8))
+    assert "MODES" in raised.value.guard and "(the value now: 'tanh')" in str(raised.value)
+
+
 def test_on_recompile_is_validated():
     with pytest.raises(ValueError, match="on_recompile must be one of 'recompile', 'warn', 'error'"):
         graphopt.GraphOptimizationConfig(on_recompile="fail")

@@ -1,10 +1,12 @@
-"""Guard sources read without evaluating them, for stored traces' identity checks.
+"""Guard sources read without evaluating them: for stored traces' identity checks
+and for the value that failed a guard (`on_recompile`).
 
 Dynamo names each guarded value by a Python expression over the frame's locals L and
 its globals G (`G['torch'].cat`, `L['self']._modules['proj']`). A stored trace checks
-some guards itself, in a later process, so it must find those values again; a
-walker over the expression's syntax does that with a fixed set of steps, so a
-cache entry can never run code.
+some guards itself, in a later process, so it must find those values again, and a
+recompile's explanation shows what a failed guard reads now. A walker over the
+expression's syntax does both with a fixed set of steps, so neither a cache entry
+nor a guard's text can run code.
 """
 
 from __future__ import annotations

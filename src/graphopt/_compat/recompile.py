@@ -14,6 +14,8 @@ from typing import Any, Callable
 import torch
 import torch._dynamo
 
+from . import guard_sources
+
 # The subject of a guard: self.scale, L['x'], G['flag'], L['cache'][0].shape ...
 _SUBJECT = re.compile(r"(?:\b[LG]\[['\"][^'\"]+['\"]\]|\b[A-Za-z_]\w*)(?:\.\w+|\[[^\]]+\])*")
 
@@ -51,11 +53,18 @@ def failed_value(guard: str) -> Any:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
         tx = InstructionTranslator.current_tx()
-        scope = {**tx.f_globals, **tx.f_locals, "L": tx.f_locals, "G": tx.f_globals}
+        frame, module_globals = tx.f_locals, tx.f_globals
     except Exception as error:  # noqa: BLE001
         raise LookupError(f"Dynamo's frame is not reachable ({type(error).__name__})") from None
+    subject = match.group(0)
+    if not subject.startswith(("L[", "G[")):  # a reason's bare name: a local, else a global
+        name = re.match(r"\w+", subject).group(0)
+        subject = f"{'L' if name in frame else 'G'}[{name!r}]{subject[len(name):]}"
+    walked = guard_sources.reader(subject)
+    if walked is None:
+        raise LookupError(f"{match.group(0)} is not a source graphopt reads")
     try:
-        return eval(match.group(0), {"__builtins__": {}}, scope)  # noqa: S307 - Dynamo's own guard text
+        return guard_sources.read(walked, frame, module_globals)
     except Exception as error:  # noqa: BLE001
         raise LookupError(f"{match.group(0)} could not be read ({type(error).__name__})") from None
 
