@@ -471,3 +471,24 @@ def test_a_torch_nn_container_is_traced_once_and_stored(tmp_path, monkeypatch):
         x = x.clone()  # a new process's input, without the dims the first start marked
         torch.testing.assert_close(second(x), model(x))
     assert second.report().traces_used == 1
+
+
+def test_a_step_first_called_in_grad_mode_still_stores_its_inference_trace(tmp_path, monkeypatch):
+    """A step called without no_grad on parameters that require grad records autograd:
+    its trace serves that process only (its backward is compiled outside the cache),
+    but that is the call's mode, not the step's: a later process under no_grad stores
+    its own trace, and the one after runs it without tracing."""
+    torch.manual_seed(0)
+    model = Patches()
+    x = torch.randn(2, 3, 8, 8)
+    cfg = graphopt.GraphOptimizationConfig(graph_opt_level=1, use_cudagraph=False, cache_dir=str(tmp_path))
+    first = graphopt.optimize(model, cfg)
+    torch.testing.assert_close(first(x), model(x))
+    assert first.report().traces_stored == 0
+    assert any("is used in this process only" in reason for reason in first.report().fallbacks)
+    for stored, used in ((1, 0), (0, 1)):
+        torch._dynamo.reset()
+        later = graphopt.optimize(model, cfg)
+        with torch.no_grad():
+            torch.testing.assert_close(later(x.clone()), model(x))
+        assert (later.report().traces_stored, later.report().traces_used) == (stored, used)

@@ -59,6 +59,7 @@ class _Trace:
     check: Callable | None = field(default=None, repr=False)          # L -> whether the identities hold
     bound: bool = False                # its graph is built (Backend.rebuild)
     refused: str | None = None
+    records_autograd: bool = False     # traced in grad mode with inputs that require grad
 
     @property
     def ready(self) -> bool:
@@ -211,7 +212,7 @@ class StoredTraces:
         # As Dynamo counts: a new graph for a step that already ran one in this process.
         report.recompiles += any(t.bound for t in self.traces)
         trace = _Trace(None, {}, torch.is_inference_mode_enabled(), traced, objects, _identity_check(objects),
-                       bound=True)
+                       bound=True, records_autograd=_records_autograd(full, kwargs))
         self.traces.append(trace)
         self._store(trace, problems[0] if problems else None)
         return trace
@@ -229,7 +230,8 @@ class StoredTraces:
         except Exception as error:  # noqa: BLE001 - unpicklable state costs later processes a trace, not this one
             self.backend.report().fallback(f"cache_dir: a trace of {_qualified(self.function)} is used in this "
                                            f"process only: it cannot be stored ({_why(error)})")
-            self._unstorable(_why(error))
+            if not trace.records_autograd:  # the same step under no_grad stores: not the step's lasting state
+                self._unstorable(_why(error))
             return
         kept = [t.to_entry() for t in self.traces if t.data is not None and t.refused is None]
         self.cache.store(self.key, {"traces": kept[-compat_recompile.recompile_limit():], "unstorable": None})
@@ -252,6 +254,12 @@ class StoredTraces:
         trace.refused = reason
         self.backend.report().fallback(f"cache_dir: a stored trace of {_qualified(self.function)} is not used "
                                        f"({reason}); the step is traced again")
+
+
+def _records_autograd(full: tuple, kwargs: dict) -> bool:
+    """Grad mode is on and a tensor of the call, or a parameter of a module in it,
+    requires grad (the Backend compiles such a graph without the compile cache)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in dynamo_traces.call_tensors(full, kwargs))
 
 
 def _recognised(value: Any) -> str | None:

@@ -118,10 +118,7 @@ def _gradients_set_aside(args: tuple, kwargs: dict) -> Iterator[None]:
     cannot load back ("assigned grad expected to be a Tensor"). A step that reads
     a gradient guards on it, fails that guard when called, and so is traced again
     until it goes to Dynamo's dispatch: slow, never wrong."""
-    tensors = [value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)]
-    for module in (value for value in (*args, *kwargs.values()) if isinstance(value, torch.nn.Module)):
-        tensors.extend(module.parameters())
-    grads = [(tensor, tensor.grad) for tensor in tensors if tensor.grad is not None]
+    grads = [(tensor, tensor.grad) for tensor in call_tensors(args, kwargs) if tensor.grad is not None]
     for tensor, _ in grads:
         tensor.grad = None
     try:
@@ -129,6 +126,15 @@ def _gradients_set_aside(args: tuple, kwargs: dict) -> Iterator[None]:
     finally:
         for tensor, grad in grads:
             tensor.grad = grad
+
+
+def call_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors a call passes, and the parameters of the modules it passes."""
+    values = (*args, *kwargs.values())
+    tensors = [value for value in values if isinstance(value, torch.Tensor)]
+    for module in (value for value in values if isinstance(value, torch.nn.Module)):
+        tensors.extend(module.parameters())
+    return tensors
 
 
 _AOT_COMPILE_SETTINGS = ("strict_autograd_cache", "bypass_autograd_cache_key", "bundled_autograd_cache",
