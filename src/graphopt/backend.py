@@ -206,8 +206,7 @@ class Backend:
         """Level 1: AOTAutograd, the passes, lowering. Where AOTAutograd's runtime
         wrapper would only call the graph, the graph runs without it (a cache hit
         then skips AOTAutograd too); a cache hit skips the passes."""
-        inference = not (torch.is_grad_enabled() and any(
-            isinstance(x, torch.Tensor) and x.requires_grad for x in real_inputs))
+        inference = not records_autograd(real_inputs)
         if not inference and key is not None:
             # AOTAutograd compiles the forward and, at the first backward, the backward
             # through the same compiler, and an entry holds one graph.
@@ -353,6 +352,12 @@ class Backend:
         if self._report.graphs or self._report.pieces:
             self._report.fallback(f"Dynamo gave up compiling and runs a frame eagerly: {message}; "
                                   f"raise {RECOMPILE_LIMIT}")
+
+
+def records_autograd(values: Sequence[Any]) -> bool:
+    """Grad mode is on and a tensor among `values` requires grad: a graph of them
+    records autograd history, and at level 1 is compiled without the compile cache."""
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in values)
 
 
 def _rebuilt(config: GraphOptimizationConfig, dynamic_dims: Any, pad_values: Any, mode: str | None) -> Backend:

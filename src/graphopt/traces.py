@@ -38,7 +38,7 @@ from ._compat import guard_sources
 from ._compat import recompile as compat_recompile
 from ._compat import trace_graph
 from ._compat import traces as dynamo_traces
-from .backend import Backend
+from .backend import Backend, records_autograd
 
 MISS = object()       # what `StoredTraces.__call__` returns for a call Dynamo must run
 
@@ -212,7 +212,7 @@ class StoredTraces:
         # As Dynamo counts: a new graph for a step that already ran one in this process.
         report.recompiles += any(t.bound for t in self.traces)
         trace = _Trace(None, {}, torch.is_inference_mode_enabled(), traced, objects, _identity_check(objects),
-                       bound=True, records_autograd=_records_autograd(full, kwargs))
+                       bound=True, records_autograd=records_autograd(dynamo_traces.call_tensors(full, kwargs)))
         self.traces.append(trace)
         self._store(trace, problems[0] if problems else None)
         return trace
@@ -254,12 +254,6 @@ class StoredTraces:
         trace.refused = reason
         self.backend.report().fallback(f"cache_dir: a stored trace of {_qualified(self.function)} is not used "
                                        f"({reason}); the step is traced again")
-
-
-def _records_autograd(full: tuple, kwargs: dict) -> bool:
-    """Grad mode is on and a tensor of the call, or a parameter of a module in it,
-    requires grad (the Backend compiles such a graph without the compile cache)."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in dynamo_traces.call_tensors(full, kwargs))
 
 
 def _recognised(value: Any) -> str | None:
