@@ -360,13 +360,17 @@ def serving_run(tmp_path_factory):
     return code, stdout.getvalue(), json.loads((out / "bench.json").read_text())["workloads"]["serving"]
 
 
-def test_serving_trace_is_seeded_quiet_sizes_with_rare_bursts():
-    from graphopt.bench.serving import BURST_SIZES, QUIET_SIZES, checked, trace
+@pytest.mark.parametrize("quiet", ["PADDED_SIZES", "SMALL_SIZES"])
+def test_serving_trace_is_seeded_quiet_sizes_with_rare_bursts(quiet):
+    from graphopt.bench import serving
+    from graphopt.bench.serving import BURST_SIZES, checked, trace
 
-    batches = trace(3000)
-    assert batches == trace(3000) and batches != trace(3000, seed=1) and len(batches) == 3000
-    bursts = [b for b in batches if b not in QUIET_SIZES]
-    assert set(batches) - set(bursts) == set(QUIET_SIZES)
+    sizes = getattr(serving, quiet)
+    batches = trace(3000, quiet=sizes)
+    assert batches == trace(3000, quiet=sizes) and batches != trace(3000, seed=1, quiet=sizes)
+    assert len(batches) == 3000
+    bursts = [b for b in batches if b not in sizes]
+    assert set(batches) - set(bursts) == set(sizes)
     assert bursts and all(BURST_SIZES[0] <= b <= BURST_SIZES[1] for b in bursts) and len(bursts) < 0.05 * 3000
     kept = checked(batches)
     first_of_burst = [i for i, b in enumerate(batches) if b in bursts and (i == 0 or batches[i - 1] != b)]
@@ -384,13 +388,13 @@ def test_serving_auto_sizes_pad_less_than_the_default_list_with_outputs_equal_to
     default, auto = rows["graphopt L1 + host graphs"]["graphs"], rows["graphopt L1 + host graphs, auto sizes"]["graphs"]
     assert rows["eager"]["graphs"] is None
     assert default["steps"] == auto["steps"] == 400  # the checked run is one replay of the whole trace
-    # The default list pads 3, 5, 6, 11, 13 and 20 to 4, 8, 8, 16, 16 and 24; "auto" captures
-    # the quiet sizes it sees most and leaves the rare bursts without a graph.
+    # The default list pads 9, 11, 13, 17, 20 and 26 to 16, 16, 16, 24, 24 and 32; "auto"
+    # captures the quiet sizes it sees most and leaves the rare bursts without a graph.
     assert auto["padded_rows"] * 2 <= default["padded_rows"]
     assert auto["captures"] <= default["captures"] and auto["pool_bytes"] <= default["pool_bytes"]
-    assert set(auto["sizes"]) <= {3, 5, 6, 11, 13, 20} and max(default["sizes"]) >= 150
+    assert set(auto["sizes"]) <= {9, 11, 13, 17, 20, 26} and max(default["sizes"]) >= 150
     assert 0.85 <= auto["replayed_share"] < 1.0 and default["replayed_share"] == 1.0
-    assert "**serving, trace of 400 steps, batches 3..193: device graphs**" in stdout
+    assert "**serving, trace of 400 steps, batches 9..193: device graphs**" in stdout
     table = stdout.split("device graphs**", 1)[1]
     assert "| contender | throughput | padded rows | replayed | captures | capture s | pool MiB |" in table
     assert "| graphopt L1 + host graphs, auto sizes | " in table and f"| {auto['padded_rows']:,} | " in table

@@ -209,7 +209,7 @@ def _bench_parser(commands: argparse._SubParsersAction) -> None:
                                               f"{', '.join(usual)})")
     parser.add_argument("--large", action="store_true",
                         help=f"also run the large workloads ({', '.join(bench.LARGE)}): a ResNet-18, a "
-                             "BERT-base-sized encoder and a serving trace of 3000 decode steps, minutes each "
+                             "BERT-base-sized encoder and two serving traces of 3000 decode steps, minutes each "
                              "at one thread")
     parser.add_argument("--contenders", type=_names(keys), default=keys, metavar="C,...",
                         help=f"contenders to run: {', '.join(keys)} (default: all; compile-ro is CUDA only)")

@@ -279,14 +279,22 @@ def bert_base(sizes: Sizes) -> Workload:
 
 
 def serving(sizes: Sizes) -> Workload:
-    """A serving trace of a few thousand decode steps (serving.py)."""
+    """A serving trace of a few thousand decode steps at sizes the default capture list
+    pads by several rows (serving.py)."""
     from .serving import serving as trace_workload
 
     return trace_workload(sizes)
 
 
+def serving_small(sizes: Sizes) -> Workload:
+    """The same at smaller sizes, half of them below 8 rows (serving.py)."""
+    from .serving import SMALL_SIZES, serving as trace_workload
+
+    return trace_workload(sizes, "serving-small", SMALL_SIZES)
+
+
 WORKLOADS: dict[str, Callable[[Sizes], Workload]] = {
     "decoder": decoder, "hf-llama": hf_llama, "resnet": resnet, "bert": bert,
-    "resnet18": resnet18, "bert-base": bert_base, "serving": serving}
+    "resnet18": resnet18, "bert-base": bert_base, "serving": serving, "serving-small": serving_small}
 # Run only when named or with `graphopt bench --large`: minutes each at one thread.
-LARGE = ("resnet18", "bert-base", "serving")
+LARGE = ("resnet18", "bert-base", "serving", "serving-small")
