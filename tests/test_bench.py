@@ -378,6 +378,18 @@ def test_serving_trace_is_seeded_quiet_sizes_with_rare_bursts(quiet):
     assert sum(kept) == len(set(range(0, 3000, 50)) | set(first_of_burst))
 
 
+def test_serving_workloads_decode_their_own_traces_and_run_only_when_asked():
+    from graphopt.bench.serving import BURST_SIZES, PADDED_SIZES, SMALL_SIZES
+    from graphopt.bench.workloads import LARGE, WORKLOADS
+
+    for name, quiet in (("serving", PADDED_SIZES), ("serving-small", SMALL_SIZES)):
+        workload = WORKLOADS[name](Sizes(quick=True, device="cpu"))
+        (case,) = workload.cases
+        batches = [ids.shape[0] for ids, *_ in case.inputs]
+        assert workload.name == name and name in LARGE
+        assert {b for b in batches if b < BURST_SIZES[0]} == set(quiet) and case.items == sum(batches)
+
+
 def test_serving_auto_sizes_pad_less_than_the_default_list_with_outputs_equal_to_eager(serving_run):
     code, stdout, serving = serving_run
     assert code == 0
