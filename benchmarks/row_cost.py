@@ -4,21 +4,22 @@ costs `time(s) - time(b)`.
 
 This is what `cudagraph_capture_sizes="auto"` saves over the default capture list, and
 what it cannot save where a step costs the same at any batch (the weights are read
-once whatever the rows). One call per size in interleaved rounds, median per size.
+once whatever the rows). Sizes in interleaved rounds (`timing.interleaved_times`),
+median per size.
 
     python benchmarks/row_cost.py --threads 1
-    python benchmarks/row_cost.py --threads 1 --sizes 3,4,8,9,16 --rounds 9
+    python benchmarks/row_cost.py --threads 1 --sizes 3,4,8,9,16 --rounds 9 --steps 40
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 from rich.console import Console
 from rich.table import Table
+from timing import interleaved_times
 
 import graphopt
 from graphopt.bench.serving import MAX_NUM_SEQS, POSITIONS
@@ -32,31 +33,19 @@ def main() -> None:
     parser.add_argument("--config", choices=["tiny", "small", "bench"], default="small")
     parser.add_argument("--sizes", default=SIZES, help=f"batch sizes, comma-separated (default {SIZES})")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--seconds", type=float, default=0.2, help="per size per round")
+    parser.add_argument("--steps", type=int, default=40, help="calls per size per round")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     sizes = sorted({int(s) for s in args.sizes.split(",")})
     config = getattr(DecoderConfig, args.config)(max_num_seqs=MAX_NUM_SEQS, max_seq_len=POSITIONS)
-    model = Decoder(config).eval()
-    step = graphopt.optimize(model, graphopt.GraphOptimizationConfig(
+    step = graphopt.optimize(Decoder(config).eval(), graphopt.GraphOptimizationConfig(
         graph_opt_level=1, max_num_seqs=MAX_NUM_SEQS, cudagraph_capture_sizes=sizes, cache_dir=None))
-    inputs = {b: (torch.randint(0, config.vocab_size, (b,)), torch.full((b,), 3), torch.arange(b)) for b in sizes}
-    per_size: dict[int, list[float]] = {b: [] for b in sizes}
-    with torch.inference_mode():
-        for b in sizes:  # the compile, the config's 2 warm-ups, the capture
-            for _ in range(4):
-                step(*inputs[b])
-        for _ in range(args.rounds):
-            for b in sizes:
-                calls, start = 0, time.perf_counter()
-                while (elapsed := time.perf_counter() - start) < args.seconds or calls < 2:
-                    step(*inputs[b])
-                    calls += 1
-                per_size[b].append(elapsed / calls * 1e6)
-    report = step.report()
-    _print({b: statistics.median(t) for b, t in per_size.items()}, report, args)
+    times = interleaved_times({"step": step}, sizes,
+                              lambda b: (torch.randint(0, config.vocab_size, (b,)), torch.full((b,), 3),
+                                         torch.arange(b)), args.rounds, args.steps)
+    _print({b: statistics.median(times["step", b]) for b in sizes}, step.report(), args)
 
 
 def _print(median: dict[int, float], report: graphopt.Report, args: argparse.Namespace) -> None:
@@ -67,8 +56,8 @@ def _print(median: dict[int, float], report: graphopt.Report, args: argparse.Nam
     table.add_column("µs per row over the size below", justify="right")
     previous = None
     for b, us in median.items():
-        step = "" if previous is None else f"{(us - median[previous]) / (b - previous):+.0f}"
-        table.add_row(str(b), f"{us:.0f}", step)
+        per_row = "" if previous is None else f"{(us - median[previous]) / (b - previous):+.0f}"
+        table.add_row(str(b), f"{us:.0f}", per_row)
         previous = b
     console = Console(width=120)
     console.print(table)

@@ -48,11 +48,15 @@ def trace(steps: int, seed: int = 0, burst_every: int = 400, burst_length: int =
     return batches[:steps]
 
 
+def burst_starts(batches: list[int]) -> list[bool]:
+    """Which steps begin a burst."""
+    return [b >= BURST_SIZES[0] and (i == 0 or batches[i - 1] != b) for i, b in enumerate(batches)]
+
+
 def checked(batches: list[int]) -> list[bool]:
     """Which steps' logits a replay keeps: every CHECK_EVERY-th, and the first of each
     burst (the sizes a graph is least likely to have been captured for)."""
-    return [i % CHECK_EVERY == 0 or (b >= BURST_SIZES[0] and (i == 0 or batches[i - 1] != b))
-            for i, b in enumerate(batches)]
+    return [i % CHECK_EVERY == 0 or start for i, start in enumerate(burst_starts(batches))]
 
 
 def replay(step: Step, steps: list[tuple[Any, ...]]) -> list[torch.Tensor]:
@@ -82,7 +86,7 @@ def serving(sizes: Sizes, name: str = "serving", quiet: tuple[int, ...] = PADDED
     steps = [(ids[i, :b].to(sizes.device), torch.full((b,), i % POSITIONS, device=sizes.device),
               torch.arange(b, device=sizes.device), check)
              for i, (b, check) in enumerate(zip(batches, checked(batches)))]
-    bursts = sum(1 for i, b in enumerate(batches) if b >= BURST_SIZES[0] and (i == 0 or batches[i - 1] != b))
+    bursts = sum(burst_starts(batches))
     case = Case(f"trace of {length} steps, batches {min(batches)}..{max(batches)}", steps, replay,
                 sum(batches), "tokens", graph_table=True)
     title = (f"serving trace: {length} decode steps at {', '.join(map(str, quiet))} sequences, "
