@@ -42,27 +42,15 @@ log = logging.getLogger("graphopt")
 SOURCE = Path(__file__).with_suffix(".cpp")
 SCHEMA = ("decode_attention(Tensor query, Tensor key, Tensor value, Tensor? slots, Tensor? positions, float scale, "
           "Tensor? allowed=None) -> Tensor")
-# Compiler flags per vector ISA torch reports, as Inductor builds its CPU kernels.
-_ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-DCPU_CAPABILITY_AVX512"],
-    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"],
-}
-
 _LIB = torch.library.Library("graphopt", "FRAGMENT")
 _LIB.define(SCHEMA)
 
 
-@functools.cache
 def native_unavailable() -> str | None:
     """Why CPU calls run `_reference` (None: the C++ kernel is registered). Builds
     the kernel on the first call; a failure is logged once."""
-    isa = torch.backends.cpu.get_cpu_capability()
-    flags = ["-O3", *_ISA_FLAGS.get(isa, [])]
-    _, error = native.build("graphopt_decode_attention", SOURCE, flags, key=isa, python_module=False)
-    if error is not None:
-        log.warning("graphopt: decode_attention runs torch's SDPA on the CPU, its kernel could not be built: %s", error)
-        return f"the decode_attention kernel could not be built ({error})"
-    return None
+    return native.cpu_kernel_unavailable("graphopt_decode_attention", SOURCE,
+                                         "decode_attention runs torch's SDPA on the CPU")
 
 
 def fake_result(query: torch.Tensor) -> torch.Tensor:

@@ -6,11 +6,21 @@ a minute, later processes load it in milliseconds."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import logging
 from pathlib import Path
 from typing import Any, Sequence
 
 from ..report import first_line
+
+log = logging.getLogger("graphopt")
+
+# Compiler flags per vector ISA torch reports, as Inductor builds its CPU kernels.
+_ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-DCPU_CAPABILITY_AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"],
+}
 
 
 def build(stem: str, source: Path, extra_cflags: Sequence[str], key: str = "",
@@ -28,3 +38,18 @@ def build(stem: str, source: Path, extra_cflags: Sequence[str], key: str = "",
         return module, None
     except Exception as error:  # noqa: BLE001 - no compiler, no ninja, a header torch moved: the caller falls back
         return None, first_line(error) or type(error).__name__
+
+
+@functools.cache
+def cpu_kernel_unavailable(stem: str, source: Path, fallback: str) -> str | None:
+    """Build `source`, a library registering CPU kernels of graphopt's ops, for the
+    machine's vector ISA: None once they are registered, else why not (logged once,
+    saying that `fallback` runs instead)."""
+    import torch
+
+    isa = torch.backends.cpu.get_cpu_capability()
+    _, error = build(stem, source, ["-O3", *_ISA_FLAGS.get(isa, [])], key=isa, python_module=False)
+    if error is not None:
+        log.warning("graphopt: %s, its C++ kernel could not be built: %s", fallback, error)
+        return f"the {stem.removeprefix('graphopt_')} kernel could not be built ({error})"
+    return None

@@ -1,6 +1,6 @@
-"""fuse_norms: LayerNorm and RMSNorm written out, residual add + RMSNorm and its
-npugraph_ex epilogues, each in the forms model code writes, and where they must
-not fuse."""
+"""fuse_norms: LayerNorm and RMSNorm written out, residual add + LayerNorm, residual
+add + RMSNorm and its npugraph_ex epilogues, each in the forms model code writes, and
+where they must not fuse."""
 
 import pytest
 import torch
@@ -11,6 +11,7 @@ import graphopt
 from graphopt.config import tolerance
 from graphopt.models import Decoder, DecoderConfig
 from graphopt.models.decoder import RMSNorm
+from graphopt.kernels import layer_norm as layer_norm_kernel
 from graphopt.passes.cleanup import cse
 from graphopt.passes.fusion.norm import fuse_norms
 from support import aot_graph, decode_inputs, targets
@@ -133,6 +134,98 @@ def test_layer_norm_scaled_by_other_than_a_vector_of_its_dtype_fuses_without_it(
     after = assert_fused(fn, (torch.randn(4, H, H), torch.randn(H), torch.randn(H)),
                          "layer_norm", aten.native_layer_norm.default, removed, added=2)
     assert set(left) <= set(after)
+
+
+# --- Residual add + LayerNorm ----------------------------------------------------------
+
+AFFINES = [pytest.param(lambda w, b: (w, b), id="weight_and_bias"), pytest.param(lambda w, b: (w, None), id="weight"),
+           pytest.param(lambda w, b: (None, None), id="neither")]
+
+
+@pytest.mark.parametrize("affine", AFFINES)
+def test_add_then_layer_norm_whose_sum_only_the_norm_reads(affine):
+    """BERT's `LayerNorm(dense + input)`: add, native_layer_norm and its getitem become one op."""
+    x, r, w, b = torch.randn(2, 5, H), torch.randn(2, 5, H), torch.randn(H), torch.randn(H)
+    after = assert_fused(lambda x, r, w, b: F.layer_norm(x + r, (H,), *affine(w, b), 1e-12), (x, r, w, b),
+                         "skip_layer_norm", graphopt_ops.skip_layer_norm.default, removed=3)
+    assert aten.add.Tensor not in after and aten.native_layer_norm.default not in after
+
+
+@pytest.mark.parametrize("affine", AFFINES)
+def test_add_then_layer_norm_whose_sum_is_read_elsewhere_returns_it(affine):
+    """A pre-norm block: the sum is the next residual, so the op returns it too."""
+    x, r, w, b = torch.randn(2, 5, H), torch.randn(2, 5, H), torch.randn(H), torch.randn(H)
+
+    def block(x, r, w, b):
+        summed = x + r
+        return F.layer_norm(summed, (H,), *affine(w, b)), summed * 2
+
+    after = assert_fused(block, (x, r, w, b), "add_layer_norm", graphopt_ops.add_layer_norm.default,
+                         removed=3, added=3)  # the op and the reads of its two outputs
+    assert aten.native_layer_norm.default not in after
+
+
+@pytest.mark.parametrize("fn,args", [
+    pytest.param(lambda x, r, w: F.layer_norm(x + r, (H,), w), (torch.randn(2, 5, H), torch.randn(1, 5, H)),
+                 id="residual_broadcast"),
+    pytest.param(lambda x, r, w: F.layer_norm(x + r, (5, H)), (torch.randn(2, 5, H), torch.randn(2, 5, H)),
+                 id="over_two_dims"),
+    pytest.param(lambda x, r, w: F.layer_norm(x + r, (H,), w.to(BF16)), (torch.randn(2, 5, H).to(BF16),
+                 torch.randn(2, 5, H).to(BF16)), id="bfloat16"),
+    pytest.param(lambda x, r, w: F.layer_norm(x + r.double(), (H,), w.double()),
+                 (torch.randn(2, 5, H), torch.randn(2, 5, H)), id="float64_after_promotion"),
+    pytest.param(lambda x, r, w: F.layer_norm(x * r, (H,), w), (torch.randn(2, 5, H), torch.randn(2, 5, H)),
+                 id="product_not_sum"),
+])
+def test_add_then_layer_norm_that_must_stay(fn, args):
+    after = assert_not_fused(fn, *args, torch.randn(H))
+    assert aten.native_layer_norm.default in after
+
+
+def test_add_then_layer_norm_stays_where_its_kernel_cannot_be_built(monkeypatch):
+    """Without the C++ kernel the op would be the same two torch ops behind one more call."""
+    monkeypatch.setattr(layer_norm_kernel, "native_unavailable", lambda: "no compiler")
+    x, r, w, b = torch.randn(2, 5, H), torch.randn(2, 5, H), torch.randn(H), torch.randn(H)
+    assert_not_fused(lambda x, r, w, b: F.layer_norm(x + r, (H,), w, b), x, r, w, b)
+
+
+class PostNormBlock(torch.nn.Module):
+    """BERT's output block: dense, then LayerNorm of it plus the block's input."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense, self.norm = torch.nn.Linear(H, H), torch.nn.LayerNorm(H, eps=1e-12)
+
+    def forward(self, x):
+        return self.norm(self.dense(x) + x)
+
+
+@pytest.mark.parametrize("use_cudagraph", [False, True], ids=["plain", "host_graphs"])
+def test_add_then_layer_norm_fuses_at_level_1_and_serves_every_batch_size(use_cudagraph):
+    torch.manual_seed(0)
+    model = PostNormBlock().eval()
+    opt = graphopt.optimize(model, graphopt.GraphOptimizationConfig(
+        graph_opt_level=1, use_cudagraph=use_cudagraph, cudagraph_capture_sizes=[1, 4, 8], cache_dir=None))
+    with torch.no_grad():
+        for batch in (1, 3, 8, 5):
+            x = torch.randn(batch, 7, H)
+            torch.testing.assert_close(opt(x), model(x), atol=1e-5, rtol=1e-5)
+    report = opt.report()
+    assert {p.counts.get("skip_layer_norm") for p in report.passes if p.name == "fuse_norms"} == {1}
+    assert all(t != aten.native_layer_norm.default for g in opt.graphs() for t in targets(g))
+
+
+def test_add_then_layer_norm_stays_at_level_2():
+    """Inductor makes one kernel of the add and the LayerNorm itself."""
+    if not graphopt._compat.inductor_available():
+        pytest.skip("level 2 needs a C++ compiler")
+    torch.manual_seed(0)
+    model, x = PostNormBlock().eval(), torch.randn(3, 5, H)
+    opt = graphopt.optimize(model, graphopt.GraphOptimizationConfig(graph_opt_level=2, use_cudagraph=False,
+                                                                    cache_dir=None))
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x), atol=1e-5, rtol=1e-5)
+    assert not next(p for p in opt.report().passes if p.name == "fuse_norms").counts
 
 
 # --- RMSNorm ---------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Norm fusions: LayerNorm and RMSNorm written out with elementary ops become one op.
 
-LayerNorm becomes `aten.native_layer_norm` (levels 1 and 2). RMSNorm, residual
+LayerNorm becomes `aten.native_layer_norm` (levels 1 and 2); a residual add before a
+LayerNorm becomes graphopt's `skip_layer_norm` or `add_layer_norm` (level 1, on the
+CPU in float32, where its C++ kernel runs). RMSNorm, residual
 add + RMSNorm, and add + RMSNorm followed by the epilogues of npugraph_ex's default
 fusions (per-token dynamic int8 quantization, a float32 cast) become graphopt's ops
 (level 1 only: at level 2 Inductor already makes one kernel of the decomposed
@@ -15,6 +17,7 @@ exponents, casts and constants included); `_valid` checks what that cannot see.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -22,8 +25,10 @@ import torch
 import torch.nn.functional as F
 
 from ... import _compat
+from ...kernels import layer_norm as _layer_norm_kernels  # noqa: F401 - defines graphopt::add_layer_norm & co.
 from ...kernels import norm as kernels  # defines graphopt::rms_norm & co. before patterns are traced
 from ..base import PassResult, value_of
+from . import gates
 from .replacement import Pattern, PatternSet, _inductor_trace, fwd_only
 
 ops = torch.ops.graphopt
@@ -70,6 +75,10 @@ def fuse_norms(gm: torch.fx.GraphModule) -> PassResult:
         after:   native_layer_norm = aten.native_layer_norm(x, [768], w, b, 1e-05)
                  add_1 = native_layer_norm[0]
 
+        before:  add = aten.add(dense, hidden);  native_layer_norm = aten.native_layer_norm(add, [768], w, b, 1e-12)
+                 getitem = native_layer_norm[0]
+        after:   getitem = graphopt.skip_layer_norm(dense, hidden, w, b, 1e-12)
+
     Only over the last dim, with one Python-number eps, a weight (and bias) of shape
     [last dim], a biased variance, and intermediates nobody else reads (the sum of
     a residual add may be read anywhere: add_rms_norm returns it). A residual add
@@ -78,7 +87,12 @@ def fuse_norms(gm: torch.fx.GraphModule) -> PassResult:
     flattened to [tokens, hidden] first) becomes `graphopt.add_rms_norm_dynamic_quant`;
     one whose normalised value is cast to float32 (possibly flattened) becomes
     `graphopt.add_rms_norm_cast`. The RMSNorm ops compute the written form's
-    roundings (`kernels.norm`'s `cast`). Counts are per fused op.
+    roundings (`kernels.norm`'s `cast`). A residual add of two same-shape float32
+    CPU tensors whose sum only a LayerNorm over the last dim reads becomes
+    `graphopt.skip_layer_norm` (a post-norm encoder: BERT); one whose sum is read
+    elsewhere too, `graphopt.add_layer_norm`, which returns it (a pre-norm model:
+    GPT-2); only where their C++ kernel is built (`gates.add_layer_norm_loses`).
+    Counts are per fused op.
     """
     return NORMS(gm)
 
@@ -134,6 +148,55 @@ def _affine_layer_norm(x, weight, bias, eps):
 
 
 _LAYER_NORMS = (_layer_norm, _scaled_layer_norm, _affine_layer_norm)  # by number of params
+
+
+def _add_layer_norm_patterns() -> None:
+    """Residual add + torch's LayerNorm (`nn.LayerNorm`, `F.layer_norm`), with weight
+    and bias, weight only or neither. The sum-not-kept form goes first: it cannot
+    match where the sum has another reader, and the sum-kept form matches either."""
+    for params in range(3):
+        def search_skip(x, residual, *rest, params=params):
+            summed = x + residual
+            return _LAYER_NORMS[params](summed, *rest)
+
+        def replace_skip(x, residual, *rest, params=params):
+            return ops.skip_layer_norm(x, residual, *_affine(params, rest))
+
+        def search_add(x, residual, *rest, params=params):
+            summed = x + residual
+            return _LAYER_NORMS[params](summed, *rest), summed
+
+        def replace_add(x, residual, *rest, params=params):
+            return tuple(ops.add_layer_norm(x, residual, *_affine(params, rest)))
+
+        x = torch.zeros(2, 3, 8)
+        examples = [x, torch.zeros_like(x), *[torch.zeros(8) for _ in range(params)], _EPS]  # distinct: traced apart
+        names = ("x", "residual", *("weight", "bias")[:params], "eps")
+        for name, search, replace in (("skip_layer_norm", search_skip, replace_skip),
+                                      ("add_layer_norm", search_add, replace_add)):
+            _add(name, _named(search, names), _named(replace, names), examples, _kernel_check(params), levels=(1,))
+
+
+def _affine(params: int, rest: tuple) -> tuple:
+    """(weight, bias, eps) from a LayerNorm's (weight?, bias?, eps)."""
+    return (*rest[:-1], *[None] * (2 - params), rest[-1])
+
+
+def _named(fn: Callable, names: tuple[str, ...]) -> Callable:
+    """`fn` (which takes `*args`) with the parameters `names`: the matcher names a
+    match's arguments by its search function's parameters."""
+    fn.__signature__ = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                                          for n in names])
+    return fn
+
+
+def _kernel_check(params: int) -> Callable[[Any], bool]:
+    def check(match: Any) -> bool:
+        x = value_of(match.kwargs.get("x"))
+        return _valid(match, params=("weight", "bias")[:params], same_dtype=True) and \
+            not gates.add_layer_norm_loses(x.device, x.dtype)
+
+    return check
 
 
 def _layer_norm_forms(squares: bool, use_rsqrt: bool) -> list:
@@ -334,4 +397,5 @@ def _epilogues(form: _RmsForm, flat: Callable) -> tuple[Callable, ...]:
 
 
 _layer_norm_patterns()
+_add_layer_norm_patterns()
 _rms_norm_patterns()

@@ -9,7 +9,6 @@ thread), as ONNX Runtime's packed MatMul + FastGelu is; small GEMMs lose (gates.
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 import torch.fx
