@@ -1,4 +1,5 @@
-"""The ResNet-like reference CNN: NCHW against the channels-last layout pass.
+"""The ResNet-like reference CNN (or torchvision's ResNet-18 layout): NCHW against the
+channels-last layout pass.
 
 Each level-1 variant runs once with `convert_layout` disabled (the graph stays NCHW)
 and once with it; with and without frozen parameters (frozen weights are converted
@@ -10,6 +11,7 @@ variant in NCHW (medians).
 
     python benchmarks/layout.py --threads 1
     python benchmarks/layout.py --batch-sizes 1,8,32 --freeze 1 --device-graphs 0
+    python benchmarks/layout.py --model resnet18 --threads 1 --rounds 8 --steps 3
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ from rich.console import Console
 from rich.table import Table
 
 import graphopt
+from graphopt.bench.vision import ResNet18
 from graphopt.models import ResNet, ResNetConfig
 from timing import interleaved_times
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["tiny", "resnet18"], default="tiny",
+                        help="the reference ResNet's tiny config, or ResNet-18 on 3x112x112 images")
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
@@ -40,7 +45,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     torch.manual_seed(0)
-    model = ResNet(ResNetConfig.tiny(dtype=getattr(torch, args.dtype))).to(args.device)
+    dtype = getattr(torch, args.dtype)
+    if args.model == "tiny":
+        model = ResNet(ResNetConfig.tiny(dtype=dtype)).to(args.device)
+        example, title = model.example_input, "ResNet-like tiny CNN"
+    else:
+        model = ResNet18().eval().to(args.device, dtype)
+        example, title = (lambda b: torch.randn(b, 3, 112, 112, dtype=dtype)), "ResNet-18 at 112x112"
 
     variants: dict[str, torch.nn.Module] = {"eager": model}
     pairs: dict[str, str] = {}  # layout variant -> the same variant in NCHW
@@ -54,10 +65,10 @@ def main() -> None:
                 variants[f"{name}, {'NHWC pass' if layout else 'NCHW'}"] = graphopt.optimize(model, config)
             pairs[f"{name}, NHWC pass"] = f"{name}, NCHW"
 
-    inputs = {b: model.example_input(b).to(args.device) for b in batch_sizes}
+    inputs = {b: example(b).to(args.device) for b in batch_sizes}
     times = interleaved_times(variants, batch_sizes, lambda b: (inputs[b],), args.rounds, args.steps, args.device)
 
-    table = Table(title=f"ResNet-like tiny CNN ({args.dtype}), NCHW vs the channels-last layout pass",
+    table = Table(title=f"{title} ({args.dtype}), NCHW vs the channels-last layout pass",
                   caption=f"torch {torch.__version__} · {args.device} · {args.threads} thread(s) · "
                           f"{args.rounds} interleaved rounds of {args.steps} steps")
     for column in ("batch", "variant", "best µs", "median µs", "vs eager (median)", "NHWC pass vs NCHW (median)"):

@@ -171,6 +171,39 @@ def test_few_convolutions_per_conversion_stay_nchw(depth):
     assert graph.gm.code == before
 
 
+class WideConvs(nn.Module):
+    """Four 64-channel 3x3 convolutions: 147K weights, against 4 x 64 x H x W activations."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.convs = nn.ModuleList(nn.Conv2d(64, 64, 3, padding=1) for _ in range(4))
+        self.eval()
+
+    def forward(self, x):
+        for conv in self.convs:
+            x = F.relu(conv(x))
+        return x.mean(dim=(2, 3))
+
+
+@needs_onednn
+@pytest.mark.parametrize("freeze", [False, True], ids=["live", "frozen"])
+@pytest.mark.parametrize("size", [4, 32])
+def test_live_weights_that_outnumber_the_activations_stay_nchw(freeze, size):
+    """Live weights are converted in every step: measured on ResNet-18, that copy
+    costs more than channels-last gains until the activations outnumber the weights.
+    Frozen weights are converted once, so they never hold the pass back (without
+    fuse_conv, which would make these convolutions oneDNN's channels-last calls first)."""
+    model, x = WideConvs(), torch.randn(2, 64, size, size)
+    weights, activations = 4 * 64 * 64 * 9, 4 * x.numel()
+    opt = optimized(model, use_cudagraph=False, freeze_parameters=freeze, disabled_passes=["fuse_conv"])
+    with torch.no_grad():
+        close(opt(x), model(x))
+    converts = freeze or weights <= layout.LIVE_WEIGHTS_PER_ACTIVATION * activations
+    assert converts == (size == 32 or freeze)
+    assert layout_counts(opt) == ([{"inserted": 1, "weights": 4}] if converts else [{}])
+
+
 class MixedCNN(nn.Module):
     """Convolutions among pooling, a grouped conv, a concat, a strided slice, reductions
     over C and over H and W, a cast of max-pool indices and a flatten."""

@@ -80,6 +80,12 @@ def fold_node(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node | 
     return attr
 
 
+def constant_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The nodes whose values fold_constants could fold (frozen parameters, tensor
+    attributes, and what is computed from them alone within the memory bound)."""
+    return set(_constants(gm, gm.meta.get(FROZEN_INPUTS, {})))
+
+
 def _into_buffer(gm: torch.fx.GraphModule, node: torch.fx.Node, value: object, sources: dict,
                  recipes: dict) -> torch.fx.Node | None:
     """Store `value` as a new `_folded_<i>` buffer and make `node`'s readers read it."""

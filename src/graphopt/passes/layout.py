@@ -6,7 +6,10 @@ region of convolutions, batch norms and pointwise ops that stays channels-last p
 one conversion at each border instead. Measured on this project's CPU (1 thread,
 oneDNN, float32, docs/passes.md, "Layout"): the ResNet-like reference model runs 0.83-0.89x
 the NCHW time with one conversion for nine convolutions, while one conv-bn-relu
-between two conversions runs 1.33x and three of them 1.06x (batch 1).
+between two conversions runs 1.33x and three of them 1.06x (batch 1). Weights that
+are not constants are converted by an op in every step: on ResNet-18 (11M weights)
+that copy outweighs the gain until the activations the convolutions read outnumber
+the weights (`LIVE_WEIGHTS_PER_ACTIVATION`).
 
 How a layout is decided: a region starts at each convolution, whose input is
 converted unless it is channels-last already; it grows through the ops that consume
@@ -28,6 +31,7 @@ import torch.fx
 from .. import _compat
 from .._compat.names import OpOverload, tensor_leaves, tree_leaves
 from .base import STRIDE_READERS, GraphFacts, PassResult, alias_root, has_effect, same_layout, written_roots
+from .constant_fold import constant_nodes, fold_node
 from .strides import fake_run, same_sizes_and_dtypes, same_strides
 
 aten = torch.ops.aten
@@ -43,6 +47,12 @@ _REGION_OPS = {aten._native_batch_norm_legit_no_training.default, aten.native_ba
 # Measured (module docstring): below two convolutions per activation conversion, a
 # channels-last region was slower than NCHW at batch 1.
 CONVS_PER_CONVERSION = 2
+# Live (not constant) conv weights converted per step, per element of activation the
+# convolutions read at the traced batch, above which channels-last was slower. ResNet-18,
+# level 1, 1 thread (docs/passes.md, "Layout"): 0.63-0.64 weights per activation element
+# ran 1.12-1.17x the NCHW speed, 2.5 ran 0.89-1.02x, 5.1 0.94x and 20 0.53-0.86x; the
+# tiny ResNet at 0.79 ran 1.05-1.11x.
+LIVE_WEIGHTS_PER_ACTIVATION = 1.0
 
 
 def convert_layout(gm: torch.fx.GraphModule) -> PassResult:
@@ -57,9 +67,10 @@ def convert_layout(gm: torch.fx.GraphModule) -> PassResult:
         after:   (b is x)
 
     First removes conversion pairs that cancel. Then, where the backend is faster in
-    channels-last (`channels_last_faster`) and the graph has at least
+    channels-last (`channels_last_faster`), the graph has at least
     `CONVS_PER_CONVERSION` convolutions per activation conversion the regions need,
-    converts: region inputs to channels-last, values leaving a region (to an op whose
+    and the weights that are not constants (converted in every step) are at most
+    `LIVE_WEIGHTS_PER_ACTIVATION` per element of the convolutions' inputs, converts: region inputs to channels-last, values leaving a region (to an op whose
     result would otherwise change, or to the graph's outputs) back to contiguous.
     Weights are converted too: once, at optimize time, when they are constants
     (frozen parameters, tensor attributes), else by an op in the graph. Values
@@ -74,13 +85,37 @@ def convert_layout(gm: torch.fx.GraphModule) -> PassResult:
     seeds = [n for n in graph.nodes if _seed(n) and not _fixed(n, written)]
     plan = _plan(graph, seeds, written, fake_mode) if seeds and fake_mode is not None else None
     inserted = weights = 0
-    if plan is not None and plan.convs and len(plan.convs) >= CONVS_PER_CONVERSION * plan.conversions:
+    if plan is not None and plan.convs and len(plan.convs) >= CONVS_PER_CONVERSION * plan.conversions \
+            and _live_weights(gm, plan.convs) <= LIVE_WEIGHTS_PER_ACTIVATION * _conv_inputs(plan.convs):
         inserted = plan.apply(fake_mode)
         converted: dict[torch.fx.Node, torch.fx.Node] = {}
         weights = sum(_convert_weight(gm, conv, converted, fake_mode) for conv in plan.convs)
         removed += _cancel_conversions(GraphFacts(graph), graph)
     counts = {k: v for k, v in (("inserted", inserted), ("removed", removed), ("weights", weights)) if v}
     return PassResult(changed=bool(counts), counts=counts)
+
+
+def _live_weights(gm: torch.fx.GraphModule, convs: list[torch.fx.Node]) -> int:
+    """Elements of the convolutions' weights that are not constants: each is converted
+    by an op in every step."""
+    constants = constant_nodes(gm)
+    weights = {conv.args[1] for conv in convs} - constants
+    return sum(_elements(w) for w in weights)
+
+
+def _conv_inputs(convs: list[torch.fx.Node]) -> int:
+    """Elements the convolutions read as activations, at the traced batch."""
+    return sum(_elements(conv.args[0]) for conv in convs)
+
+
+def _elements(node: torch.fx.Node) -> int:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0
+    count = 1
+    for size in val.shape:
+        count *= _compat.size_hint(size)
+    return count
 
 
 def channels_last_faster(device: torch.device, dtype: torch.dtype) -> bool:
@@ -250,8 +285,6 @@ def _convert_weight(gm: torch.fx.GraphModule, conv: torch.fx.Node, converted: di
     """Make the conv's weight channels-last: folded into a buffer when it is a
     constant (converted once, at optimize time), else an op in the graph. One
     conversion per weight, shared by the convs that read it (`converted`)."""
-    from .constant_fold import fold_node
-
     weight = conv.args[1]
     if weight in converted:
         conv.replace_input_with(weight, converted[weight])
