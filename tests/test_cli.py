@@ -67,3 +67,13 @@ def test_bad_options_are_usage_errors_naming_the_option(args, option, allowed, c
 def test_no_command_prints_help_and_returns_2(capsys):
     assert main([]) == 2
     assert "demo" in capsys.readouterr().out
+
+
+def test_bench_runs_named_workloads_as_named_and_large_widens_only_the_default():
+    from graphopt import bench
+
+    usual = [w for w in bench.WORKLOADS if w not in bench.LARGE]
+    assert cli._workloads(None, False) == usual
+    assert cli._workloads(None, True) == list(bench.WORKLOADS)
+    assert cli._workloads(["resnet18", "bert-base"], True) == ["resnet18", "bert-base"]
+    assert cli._workloads(["bert"], False) == ["bert"]

@@ -204,13 +204,13 @@ def _bench_parser(commands: argparse._SubParsersAction) -> None:
                     "timed in interleaved rounds in one process, every output checked against eager's; "
                     "start-up (cold and warm) and peak memory in fresh processes.")
     usual = [w for w in bench.WORKLOADS if w not in bench.LARGE]
-    parser.add_argument("--workloads", type=_names(list(bench.WORKLOADS)), default=usual,
+    parser.add_argument("--workloads", type=_names(list(bench.WORKLOADS)), default=None,
                         metavar="W,...", help=f"workloads to run: {', '.join(bench.WORKLOADS)} (default: "
-                                              f"{', '.join(usual)})")
+                                              f"{', '.join(usual)}, and with --large the large ones)")
     parser.add_argument("--large", action="store_true",
-                        help=f"also run the large workloads ({', '.join(bench.LARGE)}): a ResNet-18, a "
-                             "BERT-base-sized encoder and two serving traces of 3000 decode steps, minutes each "
-                             "at one thread")
+                        help=f"without --workloads, run the large workloads too ({', '.join(bench.LARGE)}): a "
+                             "ResNet-18, a BERT-base-sized encoder and two serving traces of 3000 decode steps, "
+                             "minutes each at one thread")
     parser.add_argument("--contenders", type=_names(keys), default=keys, metavar="C,...",
                         help=f"contenders to run: {', '.join(keys)} (default: all; compile-ro is CUDA only)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -246,6 +246,11 @@ def _bench_parser(commands: argparse._SubParsersAction) -> None:
                              "(how the docs' benchmarks page is made)")
 
 
+def _workloads(named: list[str] | None, large: bool) -> list[str]:
+    """Named workloads run as named: --large only widens the default list."""
+    return named or [w for w in bench.WORKLOADS if large or w not in bench.LARGE]
+
+
 def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("graphopt bench: --device cuda, but torch sees no CUDA device (torch.cuda.is_available() "
@@ -257,8 +262,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         except (OSError, ValueError) as error:
             print(f"graphopt bench: --docs {args.docs}: {error}", file=sys.stderr)
             return 2
-    workloads = args.workloads + [w for w in bench.LARGE if args.large and w not in args.workloads]
-    options = bench.Options(workloads, args.contenders, args.device, args.quick,
+    options = bench.Options(_workloads(args.workloads, args.large), args.contenders, args.device, args.quick,
                             args.rounds or (2 if args.quick else 10),
                             not args.quick if args.startup is None else args.startup, torch.get_num_threads(),
                             shlex.join(["graphopt", *argv]), args.dtype, args.profile)
