@@ -70,8 +70,9 @@ def convert_layout(gm: torch.fx.GraphModule) -> PassResult:
     channels-last (`channels_last_faster`), the graph has at least
     `CONVS_PER_CONVERSION` convolutions per activation conversion the regions need,
     and the weights that are not constants (converted in every step) are at most
-    `LIVE_WEIGHTS_PER_ACTIVATION` per element of the convolutions' inputs, converts: region inputs to channels-last, values leaving a region (to an op whose
-    result would otherwise change, or to the graph's outputs) back to contiguous.
+    `LIVE_WEIGHTS_PER_ACTIVATION` per element of the convolutions' inputs, converts:
+    region inputs to channels-last, values leaving a region (to an op whose result
+    would otherwise change, or to the graph's outputs) back to contiguous.
     Weights are converted too: once, at optimize time, when they are constants
     (frozen parameters, tensor attributes), else by an op in the graph. Values
     written in place and ops with effects are never part of a region.
