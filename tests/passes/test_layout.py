@@ -28,6 +28,13 @@ def conversions(gm, fmt=None):
             and (fmt is None or n.kwargs["memory_format"] is fmt)]
 
 
+def channels_last_strides(val):
+    """NHWC strides, read off the sizes: torch 2.11's `is_contiguous(memory_format=...)`
+    answers False for a symbolic batch even where the strides are channels-last."""
+    n, c, h, w = val.shape
+    return tuple(val.stride()) == (c * h * w, 1, w * c, c)
+
+
 def layout_counts(opt):
     return [p.counts for p in opt.report().passes if p.name == "convert_layout"]
 
@@ -86,8 +93,7 @@ def test_resnet_at_level_1_matches_eager_with_one_conversion_instead_of_one_pair
         assert len(conversions(gm, torch.contiguous_format)) == 0
         # live weights: one op per weight in the graph; frozen: converted once into buffers
         assert len(conversions(gm, NHWC)) == (1 if freeze else 1 + CONVS)
-        assert all(n.meta["val"].is_contiguous(memory_format=NHWC)
-                   for n in gm.graph.nodes if n.target is aten.convolution.default)
+        assert all(channels_last_strides(n.meta["val"]) for n in gm.graph.nodes if n.target is aten.convolution.default)
 
 
 @needs_onednn
