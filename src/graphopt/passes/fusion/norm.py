@@ -183,10 +183,8 @@ def _affine(params: int, rest: tuple) -> tuple:
 
 
 def _named(fn: Callable, names: tuple[str, ...]) -> Callable:
-    """`fn` (which takes `*args`) with the parameters `names`: the matcher names a
-    match's arguments by its search function's parameters."""
-    fn.__signature__ = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-                                          for n in names])
+    """`fn(*args)` with the parameters `names`, by which the matcher names a match's arguments."""
+    fn.__signature__ = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
     return fn
 
 
@@ -195,7 +193,6 @@ def _kernel_check(params: int) -> Callable[[Any], bool]:
         x = value_of(match.kwargs.get("x"))
         return _valid(match, params=("weight", "bias")[:params], same_dtype=True) and \
             not gates.add_layer_norm_loses(x.device, x.dtype)
-
     return check
 
 
