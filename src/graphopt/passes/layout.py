@@ -111,12 +111,7 @@ def _conv_inputs(convs: list[torch.fx.Node]) -> int:
 
 def _elements(node: torch.fx.Node) -> int:
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return 0
-    count = 1
-    for size in val.shape:
-        count *= _compat.size_hint(size)
-    return count
+    return _compat.size_hint(val.numel()) if isinstance(val, torch.Tensor) else 0
 
 
 def channels_last_faster(device: torch.device, dtype: torch.dtype) -> bool:

@@ -193,6 +193,7 @@ def _kernel_check(params: int) -> Callable[[Any], bool]:
         x = value_of(match.kwargs.get("x"))
         return _valid(match, params=("weight", "bias")[:params], same_dtype=True) and \
             not gates.add_layer_norm_loses(x.device, x.dtype)
+
     return check
 
 

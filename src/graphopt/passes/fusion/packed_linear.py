@@ -9,7 +9,6 @@ thread), as ONNX Runtime's packed MatMul + FastGelu is; small GEMMs lose (gates.
 
 from __future__ import annotations
 
-
 import torch
 import torch.fx
 
