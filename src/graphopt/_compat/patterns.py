@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import torch
@@ -61,3 +62,15 @@ def register_pattern(search_fn: Callable, replace_fn: Callable, example_inputs: 
         pattern_matcher.register_replacement(search_fn, replace_fn, list(example_inputs), trace_fn, matcher,
                                              **kwargs)
     return [e for entries in matcher.patterns.values() for e in entries if id(e) not in before]
+
+
+@functools.cache
+def online_softmax_op() -> Any:
+    """`prims.prepare_softmax_online`, into which Inductor's CUDA post-grad pass folds a
+    softmax's max and sum (None on a torch without it)."""
+    try:
+        from torch._inductor import inductor_prims  # noqa: F401 - registers the op
+    except ImportError:  # pragma: no cover - a torch without Inductor
+        return None
+    op = getattr(torch.ops.prims, "prepare_softmax_online", None)
+    return op.default if op is not None else None

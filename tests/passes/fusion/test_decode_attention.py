@@ -122,7 +122,7 @@ def test_llama_static_cache(attention, level):
 
 # --- what is left alone ------------------------------------------------------------
 
-def attention_over(keys_of, allowed_of):
+def attention_over(keys_of, allowed_of, softmax=lambda scores: F.softmax(scores, dim=-1)):
     """The decoder's attention over a slot cache, its mask `allowed_of(key index, positions)`."""
 
     def attention(q, k_cache, v_cache, positions, slots):
@@ -130,7 +130,7 @@ def attention_over(keys_of, allowed_of):
         allowed = allowed_of(torch.arange(k_cache.shape[1]), positions[:, None, None])
         mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[:, None]
         scores = torch.matmul(q, keys.transpose(2, 3)) * 0.25 + mask
-        return torch.matmul(F.softmax(scores, dim=-1), values)
+        return torch.matmul(softmax(scores), values)
 
     return attention
 
@@ -167,6 +167,30 @@ def test_masks(allowed_of, reads):
     assert (positions is not None, allowed is not None) == (reads == "positions", reads == "mask")
     assert aten_index_count(graph) == 0  # read in place: no gather left
     torch.testing.assert_close(graph(*args)[0], fn(*args), atol=1e-4, rtol=1e-4)
+
+
+def online_softmax(scores):
+    """A softmax as Inductor's post-grad pass leaves it on CUDA: max and sum from one
+    `prims.prepare_softmax_online` (on the CPU it keeps amax, sub, exp, sum, div)."""
+    top, total = _compat.patterns.online_softmax_op()(scores, -1)
+    return (scores - top).exp() / total
+
+
+def test_the_softmax_inductor_leaves_on_cuda_is_fused():
+    """Level 2 on CUDA: graphopt's passes run after Inductor's, which folded the
+    softmax's max and sum into one op; the attention still becomes the op."""
+    fn, args = attention_over(gathered, lambda key, pos: key <= pos, online_softmax), attention_args()
+    graph = aot_graph(fn, *args)
+    assert patterns_online_softmax_count(graph) == 1
+    assert fuse_decode_attention(graph.gm).counts == {"decode_attention": 1}
+    graph.gm.recompile()
+    assert patterns_online_softmax_count(graph) == 0 and aten_index_count(graph) == 0
+    expected = attention_over(gathered, lambda key, pos: key <= pos)(*args)
+    torch.testing.assert_close(graph(*args)[0], expected, atol=1e-4, rtol=1e-4)
+
+
+def patterns_online_softmax_count(graph):
+    return targets(graph).count(_compat.patterns.online_softmax_op())
 
 
 def test_a_mask_passed_in_is_read_as_allowed():

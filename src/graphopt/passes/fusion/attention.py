@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,20 +137,27 @@ def _last_dim(x: Any, dims: Any) -> bool:
 
 def _softmax(node: torch.fx.Node) -> tuple[torch.fx.Node, set] | None:
     """(input, the softmax's nodes but the last) when `node` is a softmax over the
-    last dim: `_softmax`, or Inductor's amax/sub/exp/sum/div decomposition."""
+    last dim: `_softmax`, Inductor's amax/sub/exp/sum/div decomposition, or the form
+    its CUDA post-grad pass leaves (max and sum from one `prepare_softmax_online`)."""
     if node.target is aten._softmax.default:
         return (node.args[0], set()) if _last_dim(node.args[0], node.args[1]) else None
     if node.target is not aten.div.Tensor or not all(isinstance(a, torch.fx.Node) for a in node.args):
         return None
     exp, total = node.args
-    if exp.target is not aten.exp.default or total.target is not aten.sum.dim_IntList \
-            or total.args[0] is not exp or exp.args[0].target is not aten.sub.Tensor:
+    if exp.target is not aten.exp.default or exp.args[0].target is not aten.sub.Tensor:
         return None
     x, amax = exp.args[0].args
-    if not (isinstance(amax, torch.fx.Node) and amax.target is aten.amax.default and amax.args[0] is x
-            and _last_dim(x, amax.args[1]) and _last_dim(x, total.args[1])):
+    if not isinstance(amax, torch.fx.Node):
         return None
-    return x, {exp, total, exp.args[0], amax}
+    if total.target is aten.sum.dim_IntList and total.args[0] is exp and amax.target is aten.amax.default \
+            and amax.args[0] is x and _last_dim(x, amax.args[1]) and _last_dim(x, total.args[1]):
+        return x, {exp, total, exp.args[0], amax}
+    online = amax.args[0] if amax.target is operator.getitem else None
+    if online is not None and online.target is patterns.online_softmax_op() and online.args[0] is x \
+            and _last_dim(x, online.args[1]) and amax.args == (online, 0) \
+            and total.target is operator.getitem and total.args == (online, 1):
+        return x, {exp, total, exp.args[0], amax, online}
+    return None
 
 
 def _scores(gm: torch.fx.GraphModule, x: Any, budget: int):
