@@ -83,6 +83,22 @@ def test_check_returns_every_problem_in_order():
         assert "cannot be captured" in problem.message and "To fix:" in problem.message
 
 
+def test_what_inductors_launcher_runs_while_it_tunes_is_not_the_steps():
+    """Inductor times a Triton kernel of several configurations at its first launch,
+    from its runtime module (reading timings back to the host), once per process: in
+    a warm-up, never in a replay. The same op written by the step is found."""
+    from graphopt._compat.autotune import _RUNTIME_DIR
+
+    source = "def tune(x):\n    return x.nonzero()\n"
+    found = {}
+    for name, filename in (("launcher", os.path.join(_RUNTIME_DIR, "triton_heuristics.py")),
+                           ("step", "model.py")):
+        namespace = {}
+        exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - a function as if defined there
+        found[name] = [p.op for p in check(namespace["tune"], torch.tensor([0, 1, 2]))]
+    assert found == {"launcher": [], "step": ["aten.nonzero"]}
+
+
 def test_check_of_a_clean_function_is_empty(decoder):
     ids, positions, slots = torch.tensor([1, 2]), torch.tensor([0, 0]), torch.tensor([0, 1])
     assert check(decoder, ids, positions, slots) == []

@@ -1,10 +1,18 @@
-"""What Inductor's GEMM autotuning chose: its feedback hook (`select_algorithm`'s
-feedback savers, private), which sees every measured choice of every autotuned op."""
+"""Inductor's autotuning: what its GEMM autotuning chose (its feedback hook,
+`select_algorithm`'s feedback savers, private), which sees every measured choice of
+every autotuned op; and whether its kernels' launcher is tuning at run time."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from typing import Iterator
+
+import torch
+
+# Inductor's kernel launchers (`triton_heuristics`) and the benchmarking they tune with.
+_RUNTIME_DIR = os.path.join(os.path.dirname(torch.__file__), "_inductor", "runtime", "")
 
 
 @contextlib.contextmanager
@@ -42,3 +50,16 @@ def _kind(choice: object) -> str:
     kind = type(getattr(choice, "_wrapped", choice)).__name__  # unwrapped from Inductor's data processors
     return {"ExternKernelCaller": "ATen", "CppTemplateCaller": "C++ template",
             "TritonTemplateCaller": "Triton template"}.get(kind, kind)
+
+
+def tuning_at_run_time() -> bool:
+    """Whether the ATen op being dispatched comes from Inductor's kernel launcher
+    rather than the compiled step: a Triton kernel with several configurations is
+    timed at its first launch (copies of its arguments, timings read back to the
+    host), once per process. A launch itself dispatches no ATen op."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_RUNTIME_DIR):
+            return True
+        frame = frame.f_back
+    return False
