@@ -86,6 +86,7 @@ class Backend:
         self.graph_modules: list[torch.fx.GraphModule] = []
         self.repackables: list[Repackable] = []
         self.callers: set[int] = set()  # threads that called a GraphRunner of this Backend
+        self.graph_pools: dict[str, Any] = {}  # device -> the graph pool its runners' CUDA graphs share
         # Set once Dynamo hands over a graph with a symbolic size: from then on a new
         # batch size finds that graph, so callers can stop marking dynamic dims.
         self.compiled_dynamic = False

@@ -63,7 +63,8 @@ def runner_of(backend: Backend, compiled: Callable, signature: Signature, key: s
     """The runtime of an unsplit graph: one CapturedGraph, its device graphs in one pool."""
     config, report = backend.config, backend.report()
     record = report.piece(len(report.pieces), None)
-    captured = CapturedGraph(compiled, record, config, report, Pool(config), signature.static)
+    captured = CapturedGraph(compiled, record, config, report, Pool(config, backend.graph_pools),
+                             signature.static)
     return GraphRunner(captured, signature, [captured], config, report, backend.callers, key)
 
 
@@ -75,7 +76,7 @@ def _piecewise(backend: Backend, gm: torch.fx.GraphModule, example_inputs: Seque
     split_gm, unsafe_pieces = piecewise.split(gm, unsafe)
     real = dict(zip([n.name for n in gm.graph.nodes if n.op == "placeholder"], example_inputs))
     captured = []
-    pool = Pool(config)
+    pool = Pool(config, backend.graph_pools)
 
     def compile_piece(name: str, piece: torch.fx.GraphModule, fakes: list) -> Callable | None:
         inputs = [n.name for n in piece.graph.nodes if n.op == "placeholder"]

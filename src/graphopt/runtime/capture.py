@@ -76,12 +76,25 @@ class running_at:
 
 class Pool:
     """The graph pool of one GraphRunner (mode 2), or the user's (mode 1), or none
-    (each graph its own, `reuse_pool_in_same_graph=False`)."""
+    (each graph its own, `reuse_pool_in_same_graph=False`). `backend_pools` (device ->
+    Pool) holds the pool every runner of one Backend captures CUDA graphs into (`on`)."""
 
-    def __init__(self, config: GraphOptimizationConfig):
+    def __init__(self, config: GraphOptimizationConfig, backend_pools: dict[str, Pool] | None = None):
         self.handle = config.graph_pool
         self.shared = config.graph_pool is not None or config.reuse_pool_in_same_graph
         self.cuda_bytes = 0  # a CUDA pool's growth over its captures, from torch.cuda.memory_stats
+        self.backend_pools = backend_pools
+
+    def on(self, device: torch.device) -> Pool:
+        """The pool graphs on `device` capture into. The CUDA graphs of every runner of
+        a Backend share one: they replay one at a time and hand their outputs out of
+        the pool (graph_outputs.py), so the graph of a batch of 1 (Dynamo compiles a
+        size of 1 on its own) reuses the blocks the larger sizes freed instead of
+        reserving a pool of its own. Host graphs hand outputs out of their arena: a
+        pool each runner."""
+        if device.type != "cuda" or not self.shared or self.handle is not None or self.backend_pools is None:
+            return self
+        return self.backend_pools.setdefault(str(device), self)
 
     def get(self, device: torch.device) -> Any:
         if not self.shared:
@@ -186,6 +199,7 @@ class CapturedGraph:
     def _capture(self, point: tuple, entry: _Entry, args: tuple) -> Any:
         start = time.perf_counter()
         device = _device(args)
+        self.pool = self.pool.on(device)
         limit = self._pool_limit()
         if limit is not None and self.pool_bytes_at(point[0] or 0) > limit:
             return self._refuse_budget(point, entry, self.pool_bytes_at(point[0] or 0), limit, self.fn(*args))
