@@ -52,6 +52,7 @@ def main() -> int:
     parser.add_argument("--sizes", default=None, help="comma-separated capture sizes instead of vLLM's 35")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     parser.add_argument("--profile", action="store_true", help="print where capture_all() spends its time")
+    parser.add_argument("--warmups", type=int, default=None, help="cudagraph_num_of_warmups (default: the config's)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("cuda_capture.py needs a CUDA GPU", file=sys.stderr)
@@ -60,7 +61,9 @@ def main() -> int:
     sizes = [int(n) for n in args.sizes.split(",")] if args.sizes else SIZES
     sizes = sizes[-1:] if args.largest_only else sizes
     options = graphopt.GraphOptimizationConfig(graph_opt_level=args.level, use_cudagraph=True,
-                                               cudagraph_capture_sizes=sizes, max_num_seqs=max(sizes))
+                                               cudagraph_capture_sizes=sizes, max_num_seqs=max(sizes),
+                                               **({} if args.warmups is None else
+                                                  {"cudagraph_num_of_warmups": args.warmups}))
     start = time.perf_counter()
     opt = graphopt.optimize(model, options, pad_values={"slots": model.scratch_slot})
     with torch.no_grad():
@@ -97,7 +100,7 @@ def main() -> int:
         rows += batch
     figures = {
         "level": args.level, "config": args.config, "sizes": len(sizes), "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "compile_s": round(compiled - start, 2),
+        "torch": torch.__version__, "warmups": options.cudagraph_num_of_warmups, "compile_s": round(compiled - start, 2),
         "capture_all_s": round(captured - compiled, 2), "captures": len(report.captures),
         "pool_mib": round(report.pool_bytes / 2**20, 1),
         "largest_graph_mib": round(max((c.nbytes for c in report.captures), default=0) / 2**20, 1),

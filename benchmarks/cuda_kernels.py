@@ -6,7 +6,7 @@ and the kernels that take the most time. Against the HBM floor (weight bytes /
 bandwidth) this says whether a replayed step is bound by its GEMMs, by its other
 kernels, or by the gaps between kernels.
 
-    python benchmarks/cuda_kernels.py --level 2 --batches 1,32
+    python benchmarks/cuda_kernels.py --level 2 --batches 1,32 [--frozen]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def main() -> int:
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--config", default="billion", choices=["tiny", "bench", "billion"])
     parser.add_argument("--rows", type=int, default=18, help="kernels to list per batch")
+    parser.add_argument("--frozen", action="store_true", help="freeze_parameters=True (fused Q/K/V and gate/up)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("cuda_kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -36,7 +37,8 @@ def main() -> int:
     config = getattr(DecoderConfig, args.config)(dtype=torch.bfloat16)
     with torch.device("cuda"):
         model = Decoder(config).eval()
-    options = graphopt.GraphOptimizationConfig(graph_opt_level=args.level, use_cudagraph=False)
+    options = graphopt.GraphOptimizationConfig(graph_opt_level=args.level, use_cudagraph=False,
+                                               freeze_parameters=args.frozen)
     step = graphopt.optimize(model, options) if args.level else model
     for batch in (int(b) for b in args.batches.split(",")):
         inputs = (torch.randint(0, config.vocab_size, (batch,), device="cuda"),

@@ -77,6 +77,9 @@ def contenders(device: str) -> list[Contender]:
                            frozen=True, engines=True, trusted=True))
     # Level 2's defaults with freeze_parameters: the GEMMs on packed weights where they win.
     found.append(Contender("L2+frozen", "graphopt L2 frozen", "graphopt", 2, frozen=True))
+    if cuda:  # frozen weights let Q/K/V and gate/up run as one GEMM each: what pays on a GPU
+        found.append(Contender("L2+frozen+graphs", f"graphopt L2 frozen + {graphs}", "graphopt", 2, True,
+                               frozen=True))
     # "tuned": frozen weights and Inductor's autotuned GEMMs (TUNED); a short name keeps the table narrow.
     found.append(Contender("L2+tuned", "graphopt L2 tuned" + (f" + {graphs}" if cuda else ""),
                            "graphopt", 2, device_graphs=cuda, tuned=True))
