@@ -76,6 +76,7 @@ def test_every_capture_size_hands_out_its_logits_in_one_block():
     report = opt.report()
     assert report.replays == len(SIZES)
     assert len(report.graphs) == 2 and len(report.pools) == 1, report.pools
+    assert report.pool_bytes >= max(c.nbytes for c in report.captures) > 0  # batch 1's capture last, and small
 
 
 @pytest.mark.parametrize("level", [1, 2])

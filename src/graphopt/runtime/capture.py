@@ -83,6 +83,7 @@ class Pool:
         self.handle = config.graph_pool
         self.shared = config.graph_pool is not None or config.reuse_pool_in_same_graph
         self.cuda_bytes = 0  # a CUDA pool's growth over its captures, from torch.cuda.memory_stats
+        self.largest_graph = 0  # bytes of the largest graph captured into it
         self.backend_pools = backend_pools
 
     def on(self, device: torch.device) -> Pool:
@@ -244,6 +245,7 @@ class CapturedGraph:
         self.owns_outputs = True
         self.record.captures += 1
         self.pool.cuda_bytes += graph.pool_growth
+        self.pool.largest_graph = max(self.pool.largest_graph, graph.nbytes)
         self.report.captures.append(CaptureRecord(point[0], graph.nbytes, time.perf_counter() - start, self.name))
         self._account()
         return outputs
@@ -340,11 +342,10 @@ class CapturedGraph:
     def _pool_bytes(self) -> int:
         """A shared pool's size: a host pool knows its arena's; a CUDA pool is what
         its captures made the caching allocator reserve (graphs of one pool reuse its
-        memory), else its largest graph's."""
+        memory), at least its largest graph's, whichever runner or piece captured it."""
         if isinstance(getattr(self.pool.handle, "nbytes", None), int):
             return self.pool.handle.nbytes
-        largest = max((e.graph.nbytes for e in self.entries.values() if e.graph is not None), default=0)
-        return max(self.pool.cuda_bytes, largest) if largest else 0
+        return max(self.pool.cuda_bytes, self.pool.largest_graph)
 
 
 def _how(value: Any, static: bool) -> str:
