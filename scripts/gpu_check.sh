@@ -8,6 +8,8 @@
 #   bash scripts/gpu_check.sh [tests|bench|all] [seconds for the whole run, default 540]
 #   TESTS="tests/a.py tests/b.py"  the test files to run (default: every file with a CUDA test)
 #   BENCH="capture-L1 bench-L1+graphs"  the benchmarks to run, in order (default: all)
+# `race` compiles reduce-overhead and graphopt's level 2 side by side while the tests
+# run and times them in turns once the tests are done (benchmarks/cuda_race.py).
 set -u
 phase=${1:-all}
 deadline=$(( $(date +%s) + ${2:-540} ))
@@ -45,6 +47,7 @@ run_tests() {
     printf '%s\n' $(echo "$files" | grep cuda_path) $(echo "$files" | grep -v cuda_path) |
         xargs -P 3 -I{} bash -c 'name=test-$(basename {} .py); step "$name" 300 \
             $py -m pytest -m cuda -q -p no:cacheprovider -o addopts= {} --junitxml="$logs/$name.xml"'
+    touch "$logs/tests.done"
 }
 
 bench() {
@@ -54,7 +57,10 @@ bench() {
         capture-L1-largest) step "$1" 90 $py benchmarks/cuda_capture.py --level 1 --largest-only \
             --json "$logs/$1.json" ;;
         capture-L1-profile) step "$1" 150 $py benchmarks/cuda_capture.py --level 1 --profile ;;
+        kernels-L2-frozen) step "$1" 150 $py benchmarks/cuda_kernels.py --level 2 --frozen --batches 1,32 ;;
         kernels-L*) step "$1" 150 $py benchmarks/cuda_kernels.py --level "${1#kernels-L}" --batches 1,32 ;;
+        race) step "$1" 330 $py benchmarks/cuda_race.py --wait "$logs/tests.done" --wait-s 240 --json "$logs/$1.json" ;;
+        skinny) step "$1" 150 $py benchmarks/cuda_skinny_mm.py --rows 1,4,16 --json "$logs/$1.json" ;;
         bench-*) step "$1" 200 $py -m graphopt bench --device cuda --workloads decoder --no-startup \
             --rounds 5 --contenders "eager,${1#bench-}" --out "$logs/$1" --wide ;;
         *) echo "$1: no such benchmark" >>"$summary" ;;
@@ -64,9 +70,10 @@ bench() {
 # "all": the tests beside the benchmarks (they slow a launch-bound eager row a little;
 # on a lease of minutes, one after the other leaves the last benchmarks no time).
 [[ $phase == tests || $phase == all ]] && { if [[ $phase == all ]]; then run_tests & else run_tests; fi; }
+[[ $phase == bench ]] && touch "$logs/tests.done"  # no tests for the race to wait for
 if [[ $phase == bench || $phase == all ]]; then
-    for name in ${BENCH:-capture-L1 capture-L1-largest bench-L2+graphs bench-compile-ro bench-L1+graphs \
-                           bench-compile capture-L2}; do
+    for name in ${BENCH:-race capture-L1 kernels-L2-frozen bench-L2+frozen+graphs bench-compile-ro \
+                           bench-L1+graphs capture-L2}; do
         bench "$name"
     done
 fi
