@@ -100,7 +100,7 @@ class GraphOptimizationConfig:
     graph_memory_budget: int | None = None
     # What a recompile (a Dynamo guard failed) does: "recompile", "warn" once per guard, or "error".
     on_recompile: str = "recompile"
-    cudagraph_num_of_warmups: int = 2
+    cudagraph_num_of_warmups: int = 1
     # None: "full" where the whole graph can be captured, else "piecewise".
     cudagraph_mode: str | None = None
     # ATen ops ("aten.index_put_" or "aten.index_put_.default") a graph is split at
