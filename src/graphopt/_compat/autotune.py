@@ -1,10 +1,35 @@
 """What Inductor's GEMM autotuning chose: its feedback hook (`select_algorithm`'s
-feedback savers, private), which sees every measured choice of every autotuned op."""
+feedback savers, private), which sees every measured choice of every autotuned op;
+and the settings that keep Inductor's autotuning off the user's stdout and stderr."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import functools
+import warnings
+from typing import Any, Iterator
+
+# Inductor writes these to stderr itself (not through logging): the JSON of
+# "Autotune Choices Stats" and the table of timed choices. The report carries the
+# choices instead (GraphRecord.gemms). Keys an older torch lacks are left out.
+_QUIET = {"max_autotune_report_choices_stats": False, "autotune_num_choices_displayed": 0}
+
+
+def quiet_options() -> dict[str, Any]:
+    """Inductor settings that print nothing of its autotuning, for the installed torch."""
+    import torch._inductor.config as inductor_config
+
+    return {key: value for key, value in _QUIET.items() if hasattr(inductor_config, key)}
+
+
+@functools.cache
+def hide_inductor_storage_warning() -> None:
+    """Inductor's autotuning calls the deprecated `Tensor.storage()`, whose one warning
+    per process would land on the user's stderr during a compile they did not write.
+    The filter matches only warnings raised from Inductor's own modules, so a user's
+    own call still warns."""
+    warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning,
+                            module=r"torch\._inductor\.")
 
 
 @contextlib.contextmanager
