@@ -1,13 +1,20 @@
 """Helpers the tests share: decode-step inputs, the ATen graphs passes see, a module
-whose forward branches on an attribute."""
+whose forward branches on an attribute, a compile cache's entries."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 import torch.fx
 
-from graphopt import _compat
+from graphopt import _compat, cache_trust
 from graphopt.models import DecoderConfig
+
+
+def cache_entries(cache_dir) -> list[Path]:
+    """A compile cache's entries: its files but the signing key."""
+    return sorted(p for p in Path(cache_dir).rglob("*") if p.is_file() and p.name != cache_trust.KEY_FILE)
 
 
 def unexpected_fallbacks(report) -> dict[str, int]:

@@ -199,3 +199,36 @@ def test_a_backend_gives_its_recompile_budget_back_when_it_goes():
     del backend
     gc.collect()
     assert recompile_limit() == before
+
+
+QUIET_COMPILE = """
+import torch, graphopt
+from graphopt.models import Decoder, DecoderConfig
+torch.manual_seed(0)
+model = Decoder(DecoderConfig.tiny()).eval()
+config = graphopt.GraphOptimizationConfig(graph_opt_level=2, freeze_parameters=True, use_cudagraph=False,
+                                          cache_dir=None)
+opt = graphopt.optimize(model, config)
+with torch.inference_mode():
+    for batch in (2, 3):
+        ids = torch.randint(0, model.config.vocab_size, (batch,))
+        args = (ids, torch.full((batch,), 5), torch.arange(batch))
+        expected = model(*args)
+        model.reset_cache()
+        torch.testing.assert_close(opt(*args), expected, atol={atol}, rtol={rtol})
+        model.reset_cache()
+report = opt.report()
+assert any(g.gemms for g in report.graphs) and not report.fallbacks, report.fallbacks
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the autotuned GEMMs of frozen weights are the CPU's")
+def test_a_level_2_compile_with_autotuned_gemms_prints_nothing(tmp_path):
+    """Inductor times each GEMM of a frozen weight; what it chose is in the report and
+    nothing reaches stdout or stderr (a fresh process: some of it is printed once)."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
+    script = QUIET_COMPILE.format(atol=ATOL, rtol=RTOL)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          env=env, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (done.stdout, done.stderr) == ("", "")

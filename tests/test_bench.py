@@ -111,8 +111,10 @@ def test_quick_run_writes_every_figure_to_json(smoke):
     assert by_name["graphopt L1 + host graphs"]["reasons"] == []
 
 
-def _row(name, median, competitor=True, equal=True, note="", reasons=()):
-    return Row(name, competitor, [median, median * 2, median / 2], equal, 0.0, note, list(reasons))
+def _row(name, median, competitor=True, equal=True, note="", reasons=(), spread=0.05):
+    """A row whose rounds stray `spread` (a share of the median) either side of it."""
+    return Row(name, competitor, [median, median * (1 + spread), median * (1 - spread)], equal, 0.0, note,
+               list(reasons))
 
 
 def test_ratios_are_against_eager_the_fastest_matching_competitor_and_the_floor():
@@ -128,6 +130,24 @@ def test_ratios_are_against_eager_the_fastest_matching_competitor_and_the_floor(
     assert rows["graphopt L1"].vs_floor == pytest.approx(2.0)
     assert rows["eager"].vs_competitor == pytest.approx(0.5)
     assert rows["wrong and fast"].vs_eager == pytest.approx(10.0)
+
+
+def test_a_row_whose_rounds_spread_past_ten_percent_is_marked_noisy_not_given_a_ratio():
+    result = CaseResult("step", "tokens", 1, [
+        _row("eager", 100.0), _row("torch.compile", 50.0, spread=0.25),
+        _row("graphopt L1", 40.0, competitor=False), _row("graphopt L2", 30.0, competitor=False, spread=0.09)])
+    fill_ratios(result)
+    table = output.result_cells([result])
+    cells = {row[1]: dict(zip(table.headers, row)) for row in table.rows}
+    assert cells["torch.compile"]["vs eager"] == "noisy" and cells["torch.compile"]["note"] == "noisy: rounds ±25%"
+    # Compared with a noisy row (the best competitor), a steady row's ratio is noisy too.
+    assert cells["graphopt L1"]["vs eager"] == "2.50x" and cells["graphopt L1"]["vs best competitor"] == "noisy"
+    assert cells["graphopt L2"]["vs eager"] == "3.33x" and cells["graphopt L2"]["note"] == ""
+    # Five rounds or more: the fastest and the slowest are set aside, so one preempted round is not noise.
+    assert measure.spread([100, 101, 99, 100, 300]) == pytest.approx(0.01)
+    assert measure.spread([100, 115, 99, 100, 300, 60]) == pytest.approx(0.15)
+    [record] = json.loads(output.to_json({}, {"w": {"cases": [result]}}))["workloads"]["w"]["cases"]
+    assert [r["noisy"] for r in record["rows"]] == [False, True, False, False]
 
 
 def test_compare_allows_rounding_but_not_wrong_values_shapes_or_tokens():

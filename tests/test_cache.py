@@ -27,6 +27,7 @@ from graphopt.config import GraphOptimizationConfig
 from graphopt.models import generate
 from graphopt.report import Report
 from support import assert_gradients_match
+from support import cache_entries as entries
 
 PROMPTS = torch.randint(500, (3, 6), generator=torch.Generator().manual_seed(0))
 
@@ -38,10 +39,6 @@ def run(decoder, cache_dir, **config) -> tuple[torch.Tensor, graphopt.Report]:
                                               "cache_traces": False, **config})
     step = graphopt.optimize(decoder, cfg, pad_values={"slots": decoder.scratch_slot})
     return generate(decoder, PROMPTS, 6, step=step), step.report()
-
-
-def entries(cache_dir) -> list[Path]:
-    return sorted(p for p in Path(cache_dir).rglob("*") if p.is_file())
 
 
 def test_second_start_loads_the_graph_and_its_report(decoder, tmp_path):
@@ -174,7 +171,7 @@ def test_a_broken_entry_is_reported_and_rebuilt(decoder, tmp_path, damage, caplo
     assert (report.cache_hits, report.cache_misses, report.cache_rebuilt) == (0, 1, 1)
     [reason] = [r for r in report.fallbacks if "is unusable" in r]
     assert str(entry) in reason and "compiled again and rewritten" in reason
-    assert {"truncated": "checksum", "garbage": "header", "foreign": "another key"}[damage] in reason
+    assert {"truncated": "signature", "garbage": "header", "foreign": "another key"}[damage] in reason
     _, repaired = run(decoder, tmp_path)
     assert repaired.cache_hits == 1
 

@@ -77,3 +77,30 @@ def test_bench_runs_named_workloads_as_named_and_large_widens_only_the_default()
     assert cli._workloads(None, True) == list(bench.WORKLOADS)
     assert cli._workloads(["resnet18", "bert-base"], True) == ["resnet18", "bert-base"]
     assert cli._workloads(["bert"], False) == ["bert"]
+
+
+def test_a_variant_whose_rounds_spread_is_marked_noisy(monkeypatch, capsys):
+    """Timings injected: eager and level 0 take 1 s every round, level 1 0.6, 1.0 and
+    1.4 s in turn (±40% around its median): its speed-up is not printed, eager's and
+    level 0's are, and the run announced how long it would take."""
+    real = cli._timed
+    swings = iter([0.6, 1.0, 1.4] * 20)
+
+    def timed(model, step, prompt, new_tokens):
+        tokens, _ = real(model, step, prompt, new_tokens)
+        level = getattr(getattr(step, "config", None), "graph_opt_level", None)
+        return tokens, next(swings) if level == 1 else 1.0
+
+    monkeypatch.setattr(cli, "_timed", timed)
+    announced = []
+    rows = run_demo(levels=[0, 1], batch_sizes=[2], prompt_len=4, new_tokens=4, repeats=3,
+                    announce=announced.append)
+    by_variant = {r.variant: r for r in rows}
+    assert not by_variant["eager"].noisy and not by_variant["level 0"].noisy
+    assert by_variant["level 1"].noisy and by_variant["level 1"].spread == pytest.approx(0.4)
+    assert by_variant["level 1"].tokens_per_s == pytest.approx(2 * 4 / 1.0)  # the median round
+    [announcement] = announced
+    assert announcement.startswith("about ") and "3 variants at 1 batch sizes" in announcement
+    cli.Console().print(cli._table(rows, 3))
+    out = capsys.readouterr().out
+    assert "noisy ±40%" in out and "1.00x" in out

@@ -24,6 +24,7 @@ from graphopt._compat import guard_sources
 from graphopt.backend import Backend
 from graphopt.models import decoder as decoder_module
 from graphopt.models import generate
+from support import cache_entries as entries
 
 PROMPTS = torch.randint(500, (3, 6), generator=torch.Generator().manual_seed(0))
 
@@ -253,14 +254,14 @@ def test_a_trace_stored_in_inference_mode_is_not_used_outside_it(decoder, tmp_pa
 
 
 def trace_entry(cache_dir: Path, graph_entries: set[Path]) -> Path:
-    [entry] = [p for p in cache_dir.rglob("*") if p.is_file() and p not in graph_entries]
+    [entry] = [p for p in entries(cache_dir) if p not in graph_entries]
     return entry
 
 
 def test_broken_or_orphaned_entries_trace_again(decoder, tmp_path):
     expected = generate(decoder, PROMPTS, 6)
     generate(decoder, PROMPTS, 6, step=start(decoder, tmp_path, cache_traces=False))
-    graphs = {p for p in tmp_path.rglob("*") if p.is_file()}
+    graphs = set(entries(tmp_path))
     generate(decoder, PROMPTS, 6, step=start(decoder, tmp_path))
     entry = trace_entry(tmp_path, graphs)
     entry.write_bytes(entry.read_bytes()[:200])
@@ -305,7 +306,7 @@ def test_cache_traces_off_stores_graphs_only(decoder, tmp_path):
     step = start(decoder, tmp_path, cache_traces=False)
     generate(decoder, PROMPTS, 6, step=step)
     assert step.report().traces_stored == 0
-    assert len([p for p in tmp_path.rglob("*") if p.is_file()]) == 1
+    assert len(entries(tmp_path)) == 1
     with pytest.raises(TypeError, match="cache_traces must be a bool"):
         graphopt.GraphOptimizationConfig(cache_traces="yes")
 

@@ -48,15 +48,14 @@ def inductor_options(device_type: str, cached: bool, frozen: bool = False) -> di
         # Without graphopt's cache a hit in Inductor's would skip the passes and leave
         # the report without them; with it, graphopt's cache holds their records.
         "fx_graph_cache": cached,
+        **autotune.quiet_options(),
     }
     if device_type == "cpu" and frozen:
         # Each GEMM on a constant weight timed with Inductor's C++ template (the weight
         # packed for its micro-kernel) and with ATen's, the faster kept, measured in
         # this process on this machine (not from Inductor's cache) so the report can
         # say what was chosen (GraphRecord.gemms). docs/configuration.md has the figures.
-        # Inductor prints each measurement on stderr; the report carries them instead.
-        options.update(max_autotune_gemm=True, max_autotune_gemm_backends="CPP,ATEN", autotune_local_cache=False,
-                       autotune_num_choices_displayed=0)
+        options.update(max_autotune_gemm=True, max_autotune_gemm_backends="CPP,ATEN", autotune_local_cache=False)
     if device_type == "cpu" and not _compat.distributed_initialized():
         # A C++ wrapper instead of a Python one: the decode step of the tiny decoder
         # runs ~2x faster (100 vs 196 us at batch 1) for ~2x the compile time. It
@@ -247,6 +246,7 @@ class Backend:
         def post_grad_pass(graph: torch.fx.Graph) -> None:
             optimized.append((graph.owning_module, self._optimize(graph.owning_module, record, real_inputs, kinds)))
 
+        autotune.hide_inductor_storage_warning()
         options = {**inductor_options(device_type(real_inputs), cached=key is not None,
                                       frozen=self.config.freeze_parameters),
                    **self.config.inductor_compile_config}

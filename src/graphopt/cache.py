@@ -4,15 +4,18 @@ next process that meets the same graph skips the work.
     key   = sha256(graph code, input metadata, constants, the config fields that
                    change the result, user patterns, graphopt's sources, torch, device)
     entry = <cache_dir>/<key[:2]>/<key>: one JSON header line (format, key, versions,
-            the payload's sha256), then the payload (pickled)
+            the payload's HMAC-SHA256 signature), then the payload (pickled)
 
 Level 1 stores the optimized ATen graph and its lowered form; level 2 stores only
 graphopt's records, next to Inductor's own FX graph and AOTAutograd caches, which
 hold the compiled code. Both store the report records of the compile, so a hit
-still gives a full `report()`. An entry that does not parse, is truncated, or was
-written for another key or version is logged, counted and rebuilt. A writer writes
-a temporary file in the same directory and renames it over the entry (atomic), so
-two processes storing one entry at once leave one whole entry, never a broken one.
+still gives a full `report()`. Only a directory this user owns and nobody else can
+write is used, and an entry is unpickled only when its signature matches
+(`cache_trust.py`). An entry that does not parse, is truncated, was written for
+another key or version or without this directory's key is logged, counted and
+rebuilt. A writer writes a temporary file in the same directory and renames it over
+the entry (atomic), so two processes storing one entry at once leave one whole
+entry, never a broken one.
 """
 
 from __future__ import annotations
@@ -31,13 +34,13 @@ from typing import Any
 import torch
 import torch.fx
 
-from . import _compat
+from . import _compat, cache_trust
 from ._compat import cache as compat
 from ._compat.names import OpOverload
 from .kernels import IMPLEMENTATIONS
 from .report import GraphRecord, Report
 
-FORMAT = 1
+FORMAT = 2
 
 
 @functools.lru_cache(maxsize=1)
@@ -179,6 +182,7 @@ class CompileCache:
     def __init__(self, directory: str | os.PathLike, report: Report):
         self.directory = Path(directory)
         self.report = report
+        self._key: bytes | None = None
 
     def path(self, key: str) -> Path:
         return self.directory / key[:2] / key
@@ -194,8 +198,11 @@ class CompileCache:
         except OSError as error:
             self.report.fallback(f"cache_dir: could not read {path} ({error}); compiling instead")
             return None
+        signing_key = self._signing_key()
+        if signing_key is None:
+            return None
         try:
-            payload = _parse(data, key)
+            payload = _parse(data, key, signing_key)
         except Exception as error:  # noqa: BLE001 - any unreadable entry is rebuilt, never trusted
             self.report.cache_rebuilt += 1
             self.report.fallback(f"cache_dir: entry {path} is unusable ({error}); it is compiled again "
@@ -213,18 +220,45 @@ class CompileCache:
             self.report.fallback(f"cache_dir: a compiled graph could not be serialised ({type(error).__name__}: "
                                  f"{error}); it is compiled again in every process")
             return
-        header = {"format": FORMAT, "key": key, **versions(), "sha256": hashlib.sha256(body).hexdigest()}
         path = self.path(key)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as error:
+            self._unwritable(path, error)
+            return
+        signing_key = self._signing_key()
+        if signing_key is None:
+            return
+        header = {"format": FORMAT, "key": key, **versions(), "hmac": cache_trust.sign(signing_key, key, body)}
+        try:
+            path.parent.mkdir(mode=0o700, exist_ok=True)
             handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{key[:8]}.", suffix=".tmp")
             with os.fdopen(handle, "wb") as file:
                 file.write(json.dumps(header).encode() + b"\n" + body)
             os.replace(temporary, path)
         except OSError as error:
-            self.report.fallback(f"cache_dir: could not write {path} ({error}); the next process compiles "
-                                 "again. Point cache_dir (or $GRAPHOPT_CACHE_DIR) at a writable directory")
+            self._unwritable(path, error)
 
+    def _unwritable(self, path: Path, error: OSError) -> None:
+        self.report.fallback(f"cache_dir: could not write {path} ({error}); the next process compiles "
+                             "again. Point cache_dir (or $GRAPHOPT_CACHE_DIR) at a writable directory")
+
+    def _signing_key(self) -> bytes | None:
+        """The directory's signing key, once the directory is found trustworthy (checked
+        on every use: its mode may change); None, reported, where it is refused."""
+        try:
+            cache_trust.check_directory(self.directory)
+            if self._key is None:
+                self._key = cache_trust.signing_key(self.directory)
+        except cache_trust.Untrusted as why:
+            self.report.fallback(f"cache_dir: refused, so nothing is loaded from it or stored in it (an entry "
+                                 f"is code that runs when loaded): {why}")
+            return None
+        except OSError as error:
+            self.report.fallback(f"cache_dir: could not read or make the signing key in {self.directory} "
+                                 f"({error}); compiling without the compile cache")
+            return None
+        return self._key
 
     def store_compile(self, key: str, records: dict, graph: torch.fx.GraphModule,
                       lowered: torch.fx.GraphModule | None = None) -> None:
@@ -260,7 +294,7 @@ class CompileCache:
         return load_graph(stored["graph"]) if stored["graph"] is not None else None
 
 
-def _parse(data: bytes, key: str) -> Any:
+def _parse(data: bytes, key: str, signing_key: bytes) -> Any:
     line, _, body = data.partition(b"\n")
     try:
         header = json.loads(line)
@@ -272,7 +306,8 @@ def _parse(data: bytes, key: str) -> Any:
     for name, value in versions().items():
         if header.get(name) != value:
             raise ValueError(f"written by {name} {header.get(name)}, this is {value}")
-    if hashlib.sha256(body).hexdigest() != header.get("sha256"):
-        raise ValueError("truncated or corrupt: its checksum does not match")
+    if not cache_trust.verify(signing_key, key, body, header.get("hmac")):
+        raise ValueError("truncated, corrupt or not written with this directory's key: its signature does not "
+                         "match, so it is not unpickled")
     with compat.real_tensors():
         return pickle.loads(body)

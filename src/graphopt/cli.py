@@ -6,7 +6,9 @@ levels with and without device graphs, ONNX Runtime, OpenVINO) and writes the fi
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -30,61 +32,131 @@ DOCS_PAGE = Path("docs/benchmarks.md")  # where `graphopt bench --docs` writes, 
 @dataclass
 class DemoRow:
     """One variant at one batch size. `graphs` and `summary` describe the optimized
-    module's report after this row (None for eager)."""
+    module's report after this row (None for eager); `spread` is how far its timed
+    rounds strayed from their median (bench.measure.spread)."""
 
     variant: str
     batch: int
-    tokens_per_s: float
-    speedup: float  # against eager at the same batch size
-    warmup_s: float  # the warm-up generate's time beyond the best timed one: compiling
+    tokens_per_s: float  # of the median round
+    speedup: float  # against eager at the same batch size, medians
+    warmup_s: float  # the warm-up generate's time beyond the fastest timed one: compiling
     graphs: int | None
     tokens_equal: bool
     summary: str | None = None
+    spread: float = 0.0
+
+    @property
+    def noisy(self) -> bool:
+        return self.spread > bench.NOISY_SPREAD
+
+
+ROUND_S = 0.25  # a variant's turn in a round lasts at least this long at eager's pace: shorter ones are noise
+# A warm-up's seconds by level, for the first estimate of the demo's length (the tiny
+# decoder on 2 CPU cores, Inductor's caches cold; later warm-ups replace the guess).
+WARMUP_GUESS_S = {None: 0.5, 0: 2.0, 1: 15.0, 2: 40.0}
+
+
+class _Clock:
+    """How long the demo has left: the warm-ups and the timed runs to come, each at the
+    mean pace of those done so far (the guesses above until one is)."""
+
+    def __init__(self, guesses: list[float], timed_runs: int, timed_guess_s: float,
+                 progress: Callable[[str], None]):
+        self.guesses, self.timed_left, self.timed_guess_s = guesses, timed_runs, timed_guess_s
+        self.warmed, self.timed, self.progress = [], [], progress
+        self.total = len(guesses) + timed_runs
+
+    def left_s(self) -> float:
+        warmups = sum(self.guesses[len(self.warmed):])
+        if self.warmed:  # the guesses, scaled by how the warm-ups done compared with theirs
+            warmups *= sum(self.warmed) / sum(self.guesses[:len(self.warmed)])
+        pace = statistics.mean(self.timed) if self.timed else self.timed_guess_s
+        return warmups + self.timed_left * pace
+
+    def tick(self, what: str) -> None:
+        done = len(self.warmed) + len(self.timed)
+        self.progress(f"{what} · run {done + 1} of {self.total} · about {_minutes(self.left_s())} left")
+
+    def warm_up(self, seconds: float) -> None:
+        self.warmed.append(seconds)
+
+    def timed_run(self, seconds: float) -> None:
+        self.timed.append(seconds)
+        self.timed_left -= 1
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
 def run_demo(levels: Sequence[int], batch_sizes: Sequence[int], prompt_len: int, new_tokens: int,
              repeats: int, progress: Callable[[str], None] = lambda _: None,
-             device_graph_levels: Sequence[int] = ()) -> list[DemoRow]:
+             device_graph_levels: Sequence[int] = (), announce: Callable[[str], None] = lambda _: None
+             ) -> list[DemoRow]:
     """Greedy generation with the tiny decoder, eagerly and at each of `levels`;
     one row per (variant, batch size), eager's rows first.
 
     One optimized module per level serves every batch size. At each batch size the
-    variants take turns within every timed repeat, so drift on a shared machine
-    hits them alike."""
+    variants take turns within every one of `repeats` rounds (a turn: as many
+    generates as last ROUND_S at eager's pace), so drift on a shared machine hits
+    them alike; a row's figure is its median round. `announce` gets, once, how long
+    the demo is expected to take; `progress` each run, with the time left."""
     torch.manual_seed(0)
     model = Decoder(TINY).eval()
     prompts = torch.randint(TINY.vocab_size, (max(batch_sizes), prompt_len))
-    steps: dict[str, Callable] = {"eager": model}
-    for level in levels:
-        steps[f"level {level}"] = optimize(model, GraphOptimizationConfig(graph_opt_level=level,
-                                                                          use_cudagraph=False))
-    for level in device_graph_levels:
-        # Capture exactly the demo's batch sizes; padded rows write to the scratch cache slot.
-        config = GraphOptimizationConfig(graph_opt_level=level, cudagraph_capture_sizes=list(batch_sizes))
-        steps[f"level {level} + graphs"] = optimize(model, config, pad_values={"slots": model.scratch_slot})
+    steps, levels_of = _variants(model, levels, device_graph_levels, batch_sizes)
+    with torch.inference_mode():
+        eager_s = _timed(model, model, prompts, new_tokens)[1]  # the largest batch: a turn's least length
+    # A variant compiles at its first batch size, and may once more at its second (a dynamic batch).
+    guesses = [WARMUP_GUESS_S[levels_of[name]] * (1.0, 0.25, 0.05)[min(i, 2)]
+               for i in range(len(batch_sizes)) for name in steps]
+    clock = _Clock(guesses, len(steps) * len(batch_sizes) * repeats, max(ROUND_S, eager_s), progress)
+    announce(f"about {_minutes(clock.left_s())}: {len(steps)} variants at {len(batch_sizes)} batch sizes, "
+             f"a warm-up each (compiling takes most of it), then {repeats} interleaved rounds")
     rows: dict[tuple[str, int], DemoRow] = {}
     with torch.inference_mode():
         for batch in batch_sizes:
             prompt = prompts[:batch]
             first: dict[str, tuple[torch.Tensor, float]] = {}
             for name, step in steps.items():
-                progress(f"{name}, batch {batch}: warm-up (compiles when needed)")
+                clock.tick(f"{name}, batch {batch}: warm-up (compiles when needed)")
                 first[name] = _timed(model, step, prompt, new_tokens)
-            best = {name: float("inf") for name in steps}
+                clock.warm_up(first[name][1])
+            calls = max(1, math.ceil(ROUND_S / first["eager"][1]))
+            times: dict[str, list[float]] = {name: [] for name in steps}
             for repeat in range(repeats):
-                progress(f"batch {batch}: timed run {repeat + 1} of {repeats}")
                 for name, step in steps.items():
-                    best[name] = min(best[name], _timed(model, step, prompt, new_tokens)[1])
-            eager_rate = batch * new_tokens / best["eager"]
+                    clock.tick(f"batch {batch}: round {repeat + 1} of {repeats}, {name}")
+                    start = time.perf_counter()
+                    times[name].append(sum(_timed(model, step, prompt, new_tokens)[1] for _ in range(calls)) / calls)
+                    clock.timed_run(time.perf_counter() - start)
+            eager_rate = batch * new_tokens / statistics.median(times["eager"])
             for name, step in steps.items():
-                rate = batch * new_tokens / best[name]
+                rate = batch * new_tokens / statistics.median(times[name])
                 report = step.report() if name != "eager" else None
                 rows[name, batch] = DemoRow(
-                    name, batch, rate, rate / eager_rate, first[name][1] - best[name],
+                    name, batch, rate, rate / eager_rate, first[name][1] - min(times[name]),
                     None if report is None else len(report.graphs),
                     torch.equal(first[name][0], first["eager"][0]),
-                    None if report is None else str(report).splitlines()[0])
+                    None if report is None else str(report).splitlines()[0], bench.spread(times[name]))
     return [rows[name, batch] for name in steps for batch in batch_sizes]
+
+
+def _variants(model: Decoder, levels: Sequence[int], device_graph_levels: Sequence[int],
+              batch_sizes: Sequence[int]) -> tuple[dict[str, Callable], dict[str, int | None]]:
+    """({variant: its step}, {variant: its graph_opt_level}), eager first."""
+    steps: dict[str, Callable] = {"eager": model}
+    levels_of: dict[str, int | None] = {"eager": None}
+    for level in levels:
+        steps[f"level {level}"] = optimize(model, GraphOptimizationConfig(graph_opt_level=level,
+                                                                          use_cudagraph=False))
+        levels_of[f"level {level}"] = level
+    for level in device_graph_levels:
+        # Capture exactly the demo's batch sizes; padded rows write to the scratch cache slot.
+        config = GraphOptimizationConfig(graph_opt_level=level, cudagraph_capture_sizes=list(batch_sizes))
+        steps[f"level {level} + graphs"] = optimize(model, config, pad_values={"slots": model.scratch_slot})
+        levels_of[f"level {level} + graphs"] = level
+    return steps, levels_of
 
 
 def _timed(model: Decoder, step: Callable, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float]:
@@ -97,14 +169,20 @@ def _timed(model: Decoder, step: Callable, prompt: torch.Tensor, new_tokens: int
 def _table(rows: list[DemoRow], repeats: int) -> Table:
     caption = (f"tiny decoder ({TINY.num_layers} layers, hidden {TINY.hidden_size}, vocab "
                f"{TINY.vocab_size}) · torch {torch.__version__} · cpu · "
-               f"{torch.get_num_threads()} threads · tokens/s over the whole generate "
-               f"(prefill + decode), best of {repeats}")
+               f"{torch.get_num_threads()} thread(s) · tokens/s over the whole generate "
+               f"(prefill + decode), median of {repeats} interleaved rounds of at least {ROUND_S} s · "
+               f"noisy: its rounds (or eager's) strayed more than ±{bench.NOISY_SPREAD:.0%} from their median")
     table = Table(title="graphopt demo: greedy generation", caption=caption)
     for name in ("variant", "batch", "tokens/s", "speed-up", "warm-up s", "graphs", "tokens = eager"):
-        table.add_column(name, justify="left" if name == "variant" else "right", no_wrap=name == "variant")
+        table.add_column(name, justify="left" if name == "variant" else "right",
+                         no_wrap=name in ("variant", "speed-up"))
+    eager = {r.batch: r for r in rows if r.variant == "eager"}
     for r in rows:
+        noisy = r.noisy or (r.batch in eager and eager[r.batch].noisy)
+        spread = max(r.spread, eager[r.batch].spread if r.batch in eager else 0.0)
         # A negative overhead is timing noise: the warm-up did no extra work.
-        table.add_row(r.variant, str(r.batch), f"{r.tokens_per_s:,.0f}", f"{r.speedup:.2f}x",
+        table.add_row(r.variant, str(r.batch), f"{r.tokens_per_s:,.0f}",
+                      f"[yellow]noisy ±{spread:.0%}[/]" if noisy else f"{r.speedup:.2f}x",
                       f"{max(r.warmup_s, 0.0):.2f}", "-" if r.graphs is None else str(r.graphs),
                       "yes" if r.tokens_equal else "[bold red]NO[/]")
     return table
@@ -116,7 +194,8 @@ def _demo(args: argparse.Namespace) -> int:
     with spinner as status:
         rows = run_demo(args.levels, args.batch_sizes, args.prompt_len, args.new_tokens,
                         args.repeats, progress=status.update if status else lambda _: None,
-                        device_graph_levels=args.device_graphs)
+                        device_graph_levels=args.device_graphs,
+                        announce=lambda text: console.print(f"graphopt demo: {text}", highlight=False))
     console.print(_table(rows, args.repeats))
     if args.verbose:
         summaries = {r.variant: r.summary for r in rows if r.summary}  # the last row's: the final state
@@ -172,10 +251,11 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                       help="prompt tokens per sequence (default: 8)")
     demo.add_argument("--new-tokens", type=_int_in(1), default=32, metavar="N",
                       help="tokens to generate per sequence (default: 32)")
-    demo.add_argument("--repeats", type=_int_in(1), default=3, metavar="R",
-                      help="timed generate runs per row; the best counts (default: 3)")
-    demo.add_argument("--threads", type=_int_in(1), default=None, metavar="N",
-                      help="torch threads (default: torch's choice; 1 is steadiest on a shared machine)")
+    demo.add_argument("--repeats", type=_int_in(1), default=5, metavar="R",
+                      help="interleaved timed rounds per row; the median counts (default: 5)")
+    demo.add_argument("--threads", type=_int_in(1), default=1, metavar="N",
+                      help="torch threads, fixed for every variant (default: 1, the steadiest on a shared "
+                           "machine)")
     demo.add_argument("--verbose", "-v", action="store_true", help="print each level's report summary")
     _bench_parser(commands)
     return parser, demo
@@ -288,6 +368,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.prompt_len + args.new_tokens > TINY.max_seq_len:
         demo.error(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} must be at most "
                    f"{TINY.max_seq_len} (the tiny decoder's max_seq_len)")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     return _demo(args)

@@ -161,6 +161,7 @@ class Report:
     steps: int = 0            # calls of the runtime graphs (capture_all()'s not counted)
     steps_replayed: int = 0   # of those, calls whose every captured piece replayed
     padded_rows: int = 0      # rows added to batches to reach their capture size
+    held_copies: int = 0      # outputs still held at the next replay, copied out before it overwrote them
     plans: list[PlanRecord] = field(default_factory=list)
     budget_refusals: list[BudgetRefusal] = field(default_factory=list)
     cache_hits: int = 0       # graphs loaded from the compile cache (cache.py)
@@ -226,6 +227,7 @@ class Report:
             "recompiles": self.recompiles,
             "recompile_reasons": dict(self.recompile_reasons),
             "steps": self.steps, "steps_replayed": self.steps_replayed, "padded_rows": self.padded_rows,
+            "held_copies": self.held_copies,
             "capture_seconds": round(self.capture_seconds, 3),
             "plans": [p.to_dict() for p in self.plans],
             "budget_refusals": [r.to_dict() for r in self.budget_refusals],
@@ -274,7 +276,7 @@ class Report:
                          f"{self.recaptures} recaptures, {self.rebinds} rebinds, {self.recompiles} recompiles")
             lines.extend(f"    {n} x recaptured: {reason}" for reason, n in self.recapture_reasons.items())
             lines.append(f"    {self.steps_replayed} of {self.steps} steps replayed, {self.padded_rows} padded rows, "
-                         f"capture {self.capture_seconds:.2f}s")
+                         f"{self.held_copies} held outputs copied out, capture {self.capture_seconds:.2f}s")
             lines.extend(f"    {r.piece} at size {r.size}: capture refused by graph_memory_budget, needed "
                          f"{r.needed} bytes, {r.available} available" for r in self.budget_refusals)
             lines.extend(_plan_lines(p) for p in self.plans)

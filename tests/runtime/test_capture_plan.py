@@ -1,12 +1,14 @@
 """cudagraph_capture_sizes="auto" and graph_memory_budget, on the CPU's host graphs
 (the CUDA variant, whose pools are measured with torch.cuda.memory_stats, at the end)."""
 
+import random
+
 import pytest
 import torch
 
 import graphopt
 from graphopt.config import tolerance
-from graphopt.runtime.capture_plan import HOLD_CAPTURED, STEP_OVERHEAD_ROWS, Traffic, plan
+from graphopt.runtime.capture_plan import HOLD_CAPTURED, RANGE_WINDOWS, STEP_OVERHEAD_ROWS, Traffic, plan
 
 ATOL, RTOL = tolerance(torch.float32)
 TRAFFIC = {3: 100, 5: 80, 6: 10, 12: 30, 200: 2}
@@ -92,6 +94,40 @@ def test_a_recurring_burst_is_kept_longer_each_time_it_returns():
                 sizes = new
     assert captures == 4 and traffic.returns[24] == 3
     assert 24 in sizes  # still kept: its hold (24 plans) outlasts the period
+
+
+def skewed_trace(steps, seed=0):
+    """Most steps at 9, 10, 17 or 18; one step in ten a burst at a random size in 41..60."""
+    rng = random.Random(seed)
+    return [rng.randint(41, 60) if rng.random() < 0.1 else rng.choice([9, 10, 17, 18]) for _ in range(steps)]
+
+
+def test_a_recurring_range_is_covered_when_its_steps_pay_for_the_capture():
+    traffic, sizes, reasons = Traffic(), (), []
+    for calls, batch in enumerate(skewed_trace(1000), 1):
+        traffic.observe(batch)
+        if calls % 64 == 0:
+            chosen = plan(traffic.fold(), limit=64, warmups=2, padding=True, captured=frozenset(sizes),
+                          history=traffic.history)
+            sizes, reasons = chosen.sizes, reasons + list(chosen.reasons)
+    assert sizes[:2] == (10, 18) and max(sizes) >= 58
+    assert any("it covers a recurring range" in reason for reason in reasons)
+    # The same steps once, in one window: no range recurs, no size pays on its own.
+    assert plan(traffic.weights, limit=64, warmups=2, padding=True).sizes == (10, 18)
+    # A range whose steps cannot pay: one step per window, each at another size in 41..184.
+    spread = [{9: 63, 41 + 13 * i: 1} for i in range(RANGE_WINDOWS)]
+    assert plan({9: 100}, limit=256, warmups=2, padding=True, history=spread).sizes == (9,)
+
+
+def test_auto_replays_a_trace_with_recurring_bursts():
+    torch.manual_seed(0)
+    model = MLP().eval()
+    opt = graphopt.optimize(model, auto(cache_dir=None, capture_replan_interval=64, max_num_seqs=64,
+                                        cudagraph_num_of_warmups=2))
+    feed(opt, model, skewed_trace(2000))
+    report = opt.report()
+    assert report.steps == 2000 and report.steps_replayed >= 0.95 * report.steps, report.plans[0].reasons
+    assert max(report.plans[0].sizes) >= 58
 
 
 @pytest.mark.parametrize("bad, error", [("all", TypeError), (0, ValueError), (1.5, TypeError)])

@@ -175,23 +175,6 @@ def test_a_sync_splits_the_graph_and_the_number_it_reads_is_never_frozen():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_held_outputs_warn_once_without_clone_output(device):
-    _, model = twin_decoders(device)
-    opt = optimized(model)
-    with torch.inference_mode(), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        warm_and_capture(opt, *step_inputs(device, 2))
-        first = opt(*step_inputs(device, 2))
-        kept = first.clone()
-        second = opt(*step_inputs(device, 2, position=1))
-        opt(*step_inputs(device, 2, position=2))
-    held = [w for w in caught if "clone_output" in str(w.message)]
-    assert len(held) == 1
-    assert first.data_ptr() == second.data_ptr()  # the same static buffer, overwritten
-    assert not torch.equal(first, kept)
-
-
-@pytest.mark.parametrize("device", DEVICES)
 def test_clone_output_returns_fresh_tensors(device):
     _, model = twin_decoders(device)
     opt = optimized(model, clone_output=True)

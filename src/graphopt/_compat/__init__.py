@@ -153,11 +153,22 @@ def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
 
 
 def register_dynamo_backend(name: str, fn: Callable) -> None:
-    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+    """Make `backend=name` find `fn`, as an entry point torch loads on first use.
 
-    if _COMPILER_FNS.get(name) is not fn:
-        _COMPILER_FNS.pop(name, None)
-        register_backend(compiler_fn=fn, name=name)
+    torch's `lookup_backend` loads a package's `torch_dynamo_backends` entry point and
+    registers what it returns; importing the package is part of that load, so a
+    registration at import would make torch's own one fail as a duplicate. Declaring
+    the name as a lazy entry point instead leaves the one registration to torch,
+    whichever door (the installed entry point or an `import`) is used first."""
+    from importlib.metadata import EntryPoint
+
+    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS
+
+    if _COMPILER_FNS.get(name) is fn:
+        return
+    _COMPILER_FNS.pop(name, None)
+    _BACKENDS[name] = EntryPoint(name=name, value=f"{fn.__module__}:{fn.__qualname__}",
+                                 group="torch_dynamo_backends")
 
 
 def compile_call() -> Any:

@@ -1,18 +1,42 @@
 """Inductor's autotuning: what its GEMM autotuning chose (its feedback hook,
 `select_algorithm`'s feedback savers, private), which sees every measured choice of
-every autotuned op; and whether its kernels' launcher is tuning at run time."""
+every autotuned op; the settings that keep it off the user's stdout and stderr; and
+whether its kernels' launcher is tuning at run time."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
-from typing import Iterator
+import warnings
+from typing import Any, Iterator
 
 import torch
 
+# Inductor writes these to stderr itself (not through logging): the JSON of
+# "Autotune Choices Stats" and the table of timed choices. The report carries the
+# choices instead (GraphRecord.gemms). Keys an older torch lacks are left out.
+_QUIET = {"max_autotune_report_choices_stats": False, "autotune_num_choices_displayed": 0}
 # Inductor's kernel launchers (`triton_heuristics`) and the benchmarking they tune with.
 _RUNTIME_DIR = os.path.join(os.path.dirname(torch.__file__), "_inductor", "runtime", "")
+
+
+def quiet_options() -> dict[str, Any]:
+    """Inductor settings that print nothing of its autotuning, for the installed torch."""
+    import torch._inductor.config as inductor_config
+
+    return {key: value for key, value in _QUIET.items() if hasattr(inductor_config, key)}
+
+
+@functools.cache
+def hide_inductor_storage_warning() -> None:
+    """Inductor's autotuning calls the deprecated `Tensor.storage()`, whose one warning
+    per process would land on the user's stderr during a compile they did not write.
+    The filter matches only warnings raised from Inductor's own modules, so a user's
+    own call still warns."""
+    warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning,
+                            module=r"torch\._inductor\.")
 
 
 @contextlib.contextmanager

@@ -4,7 +4,7 @@ rounds, checked against eager, written as tables, JSON and a plot.
 workloads.py  the models (random weights from configs) and the cases each is timed on
 contenders.py eager, torch.compile, graphopt levels with and without device graphs, ONNX Runtime,
               OpenVINO
-measure.py    warm-up, interleaved rounds, output checks, ratios, the GEMM floor
+measure.py    warm-up, interleaved rounds, output checks, ratios, noisy rows, the GEMM floor
 startup.py    cold and warm start-up and peak memory, in fresh processes
 suite.py      each workload through every contender
 isolate.py    each contender in a process of its own (--isolate, the default on CUDA)
@@ -19,6 +19,7 @@ from rich.console import Console
 
 from .contenders import contenders
 from .isolate import run_isolated
+from .measure import NOISY_SPREAD, spread
 from .output import measured_section, present
 from .suite import Options, WorkloadResult, run, setup
 from .workloads import LARGE, WORKLOADS
@@ -30,4 +31,5 @@ def write(results: list[WorkloadResult], options: Options, out: Path, as_markdow
     return present(results, setup(options), out, as_markdown, console, docs, wide)
 
 
-__all__ = ["LARGE", "WORKLOADS", "Options", "WorkloadResult", "contenders", "measured_section", "run", "run_isolated", "write"]
+__all__ = ["LARGE", "NOISY_SPREAD", "WORKLOADS", "Options", "WorkloadResult", "contenders", "measured_section", "run",
+           "run_isolated", "spread", "write"]

@@ -1,12 +1,13 @@
 """Timing and checking: contenders take turns in every round of one process, so
 drift on a shared machine hits them alike; each contender's output is checked
-against eager's; the decode step also gets its GEMM floor."""
+against eager's; the decode step also gets its GEMM floor. A row whose rounds
+stray more than NOISY_SPREAD from their median is noisy: its ratios are not shown."""
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,18 @@ from .._compat.names import tree_leaves, tree_map
 from .workloads import Case, Step
 
 EAGER = "eager"
+NOISY_SPREAD = 0.10  # rounds further than ±10% from their median give no ratio worth printing
+
+
+def spread(times: Sequence[float]) -> float:
+    """How far the rounds stray from their median, as a share of it: the largest
+    distance, once the fastest and the slowest round are set aside where there are 5
+    or more (one round preempted by another job does not decide)."""
+    ordered = sorted(times)
+    if len(ordered) >= 5:
+        ordered = ordered[1:-1]
+    middle = statistics.median(times)
+    return max(abs(t - middle) for t in ordered) / middle if middle > 0 else 0.0
 
 
 @dataclass
@@ -62,6 +75,14 @@ class Row:
     @property
     def best_us(self) -> float:
         return min(self.times_us)
+
+    @property
+    def spread(self) -> float:
+        return spread(self.times_us)
+
+    @property
+    def noisy(self) -> bool:
+        return self.spread > NOISY_SPREAD
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .measure import CaseResult, Row
+from .measure import EAGER, NOISY_SPREAD, CaseResult, Row
 from .suite import WorkloadResult
 
 
@@ -30,8 +30,11 @@ def duration(us: float) -> str:
     return f"{us / 1e6:.2f} s"
 
 
-def ratio(value: float | None) -> str:
-    return "-" if value is None or math.isnan(value) else f"{value:.2f}x"
+def ratio(value: float | None, *rows: Row) -> str:
+    """A ratio to two decimals, or "noisy" where a row it is taken from is noisy."""
+    if value is None or math.isnan(value):
+        return "-"
+    return "noisy" if any(row.noisy for row in rows) else f"{value:.2f}x"
 
 
 # The default table's wrapping columns and their widths: with them the worst case
@@ -68,13 +71,15 @@ def result_cells(results: list[CaseResult], wide: bool = False) -> Cells:
     headers += (["warm-up", "outputs = eager"] if wide else []) + ["note"]
     table = Cells(headers)
     for result in results:
+        eager = next(row for row in result.rows if row.contender == EAGER)
+        best = next((row for row in result.rows if row.contender == result.best_competitor), eager)
         for i, row in enumerate(result.rows):
             cells = {"case": result.case if i == 0 else "", "contender": row.contender,
                      "median": duration(row.median_us), "best": duration(row.best_us),
                      "throughput": f"{result.items / (row.median_us * 1e-6):,.0f} {result.unit}/s",
-                     "vs eager": ratio(row.vs_eager), "vs GEMM floor": ratio(row.vs_floor),
+                     "vs eager": ratio(row.vs_eager, row, eager), "vs GEMM floor": ratio(row.vs_floor, row),
                      "vs best competitor": "(best)" if row.contender == result.best_competitor
-                     else ratio(row.vs_competitor),
+                     else ratio(row.vs_competitor, row, best),
                      "warm-up": f"{row.warmup_s:.1f} s", "outputs = eager": equality(row),
                      "note": note(row, table, wide)}
             table.rows.append([cells[header] for header in headers])
@@ -91,6 +96,7 @@ def note(row: Row, table: Cells, wide: bool) -> str:
     """The note column: the row's short note and markers for its long reasons; in the
     default table, which has no output-check column, a mismatch first."""
     parts = [] if wide or row.outputs_equal else [f"outputs differ: {equality(row)}"]
+    parts += [f"noisy: rounds ±{row.spread:.0%}"] if row.noisy else []
     parts += [row.note] if row.note else []
     return " ".join(parts + [table.refer(row.reasons)]).strip()
 
@@ -187,7 +193,8 @@ def to_json(setup: dict[str, Any], workloads: dict[str, dict[str, Any]]) -> str:
                 "rows": [{"contender": r.contender, "competitor": r.competitor, "median_us": r.median_us,
                           "best_us": r.best_us, "times_us": [round(t, 2) for t in r.times_us],
                           "vs_eager": r.vs_eager, "vs_best_competitor": r.vs_competitor,
-                          "vs_floor": r.vs_floor, "outputs_equal": r.outputs_equal, "max_abs_diff": r.max_diff,
+                          "vs_floor": r.vs_floor, "spread": round(r.spread, 4), "noisy": r.noisy,
+                          "outputs_equal": r.outputs_equal, "max_abs_diff": r.max_diff,
                           "note": r.note, "reasons": r.reasons, "warmup_s": r.warmup_s,
                           "graphs": None if r.graphs is None else {**asdict(r.graphs), "replayed_share":
                                                                     r.graphs.replayed_share}}
@@ -217,7 +224,7 @@ def plot(workloads: dict[str, dict[str, Any]], path: Path) -> str:
         bars = ax.barh([r.contender for r in result.rows], [r.vs_eager for r in result.rows],
                        color=["tab:red" if not r.outputs_equal else "tab:blue" if r.competitor else "tab:green"
                               for r in result.rows])
-        ax.bar_label(bars, labels=[ratio(r.vs_eager) for r in result.rows], padding=3)
+        ax.bar_label(bars, labels=[ratio(r.vs_eager, r) for r in result.rows], padding=3)
         ax.axvline(1.0, color="grey", linewidth=0.8)
         ax.invert_yaxis()
         ax.margins(x=0.2)  # room for the labels
@@ -242,7 +249,8 @@ def present(results: list[WorkloadResult], setup: dict[str, Any], out: Path, as_
     blocks: list[str] = []
     caption = (f"{setup['device']} ({setup['device_name']}) · torch {setup['torch']} · {setup['threads']} "
                f"thread(s) · median of {setup['rounds']} interleaved rounds · vs: speed-up of medians, "
-               f"> 1 is faster · {tolerance_text(setup)}")
+               f"> 1 is faster; noisy: a row's rounds (or those of the row it is compared with) stray more "
+               f"than ±{NOISY_SPREAD:.0%} from their median · {tolerance_text(setup)}")
     for result in results:
         tables = [(result.title, caption, result_cells(result.cases, wide))]
         tables.extend((f"{result.name}, {case.case}: device graphs", GRAPHS_CAPTION, graph_cells(case))

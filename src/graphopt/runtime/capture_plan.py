@@ -20,6 +20,14 @@ whose pool would not fit the memory budget, are never candidates. Without paddin
 (a graph whose rows are not independent) each size is captured for itself when
 its steps pay for its capture.
 
+A range of sizes that recurs spread over many sizes (a burst at a random size in
+41..60 one step in ten) has no size whose weight pays for a capture, and each is
+soon forgotten. So the plan also looks at the last `RANGE_WINDOWS` windows of calls
+(a plan's interval each): when at least two had steps above the plan's largest size,
+at `RANGE_SIZES` or more distinct sizes, those steps are planned by the same cost
+over those windows (what recurred over them is expected to go on as long), and the
+sizes that pay are captured to cover the range by padding.
+
 Traffic decays by half at each plan and forgets a size whose weight falls below
 `FORGET_BELOW`: a size nobody has asked for in a few plans is released. A planned
 size (captured at its first call) is held `HOLD_CAPTURED` plans longer: its capture
@@ -34,9 +42,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping, Sequence
 
 from ..config import GraphOptimizationConfig
 from ..report import PlanRecord, Report
@@ -45,6 +53,8 @@ STEP_OVERHEAD_ROWS = 16  # a step without a graph, over a replay, in rows of wor
 DECAY = 0.5              # what a plan keeps of the traffic before it
 FORGET_BELOW = 0.25      # a size seen once is forgotten after three plans without it
 HOLD_CAPTURED = 6        # plans a captured size is held beyond that (the serving trace: 11 captures -> 5)
+RANGE_WINDOWS = 12       # windows of calls a recurring range is judged on: enough for a capture to pay
+RANGE_SIZES = 3          # distinct sizes that make steps above the plan a range (one size recurs by itself)
 
 _warming = contextvars.ContextVar("graphopt_capture_calls", default=False)
 
@@ -72,13 +82,18 @@ class Plan:
 
 
 def plan(weights: Mapping[int, float], *, limit: int, warmups: int, padding: bool,
-         captured: frozenset[int] = frozenset(), fits: Callable[[int], bool] = lambda size: True) -> Plan:
-    """The capture sizes for traffic `weights` ({batch: steps}); see the module docstring."""
+         captured: frozenset[int] = frozenset(), fits: Callable[[int], bool] = lambda size: True,
+         history: Sequence[Mapping[int, int]] = ()) -> Plan:
+    """The capture sizes for traffic `weights` ({batch: steps}) and the last windows of
+    calls (`history`, oldest first); see the module docstring."""
     seen = sorted(weights)
     # A prefix of the sizes seen: the limit and a pool's size only grow with the batch.
     candidates = list(itertools.takewhile(lambda b: b <= limit and fits(b), seen))
+    ranged: tuple[list[int], Counter] = ([], Counter())
     if padding:
         chosen = _cheapest_cover(candidates, weights, warmups, captured)
+        ranged = _recurring_range(history, max(chosen, default=0), limit, fits, warmups, captured)
+        chosen = sorted(set(chosen) | set(ranged[0]))
     else:
         chosen = [b for b in candidates
                   if weights[b] * STEP_OVERHEAD_ROWS >= _capture_rows(b, warmups, captured)]
@@ -89,8 +104,24 @@ def plan(weights: Mapping[int, float], *, limit: int, warmups: int, padding: boo
             eager += weights[b]
         else:
             padded += weights[b] * (target - b)
-    reasons = _reasons(seen, chosen, weights, limit, fits, captured, padding)
+    reasons = _reasons(seen, chosen, weights, limit, fits, captured, padding, ranged)
     return Plan(tuple(chosen), padded, eager, tuple(reasons))
+
+
+def _recurring_range(history: Sequence[Mapping[int, int]], top: int, limit: int, fits: Callable[[int], bool],
+                     warmups: int, captured: frozenset[int]) -> tuple[list[int], Counter]:
+    """(the sizes to capture for a range above `top` that recurs, its steps in the
+    windows of `history`); nothing where no range recurs."""
+    counts: Counter = Counter()
+    windows = 0
+    for window in history:
+        above = {b: n for b, n in window.items() if top < b <= limit}
+        counts.update(above)
+        windows += bool(above)
+    if windows < 2 or len(counts) < RANGE_SIZES:
+        return [], Counter()
+    sizes = list(itertools.takewhile(fits, sorted(counts)))
+    return _cheapest_cover(sizes, counts, warmups, captured), counts
 
 
 def _capture_rows(size: int, warmups: int, captured: frozenset[int]) -> float:
@@ -127,8 +158,10 @@ def _cheapest_cover(sizes: list[int], weights: Mapping[int, float], warmups: int
 
 
 def _reasons(seen: list[int], chosen: list[int], weights: Mapping[int, float], limit: int,
-             fits: Callable[[int], bool], captured: frozenset[int], padding: bool) -> list[str]:
+             fits: Callable[[int], bool], captured: frozenset[int], padding: bool,
+             ranged: tuple[list[int], Counter]) -> list[str]:
     reasons = []
+    sizes, steps = ranged
     for size in sorted(captured - set(chosen)):
         why = ("its traffic has gone" if size not in weights else
                f"it is above max_num_seqs={limit}" if size > limit else
@@ -136,7 +169,10 @@ def _reasons(seen: list[int], chosen: list[int], weights: Mapping[int, float], l
                "its steps cost less padded to a larger size")
         reasons.append(f"release {size}: {why}")
     for size in chosen:
-        if size not in captured:
+        if size in sizes:
+            reasons.append(f"{'keep' if size in captured else 'capture'} {size}: it covers a recurring range, "
+                           f"{sum(steps.values())} steps at sizes {_span(sorted(steps))} in the latest windows")
+        elif size not in captured:
             reasons.append(f"capture {size}: {weights[size]:.1f} steps at it")
     over = [b for b in seen if b > limit]
     if over:
@@ -168,6 +204,7 @@ class Traffic:
     weights: dict[int, float] = field(default_factory=dict)
     seen: Counter = field(default_factory=Counter)
     window: Counter = field(default_factory=Counter)
+    history: deque = field(default_factory=lambda: deque(maxlen=RANGE_WINDOWS))  # the last windows' calls
     returns: Counter = field(default_factory=Counter)  # times a size came back after it was forgotten
 
     def observe(self, batch: int) -> None:
@@ -184,7 +221,8 @@ class Traffic:
             weights[b] = weights.get(b, 0.0) + n
         self.weights = {b: w for b, w in sorted(weights.items())
                         if w >= self.forget_below(b) * (DECAY ** HOLD_CAPTURED if b in captured else 1)}
-        self.window.clear()
+        self.history.append(self.window)
+        self.window = Counter()
         return self.weights
 
     def forget_below(self, batch: int) -> float:
@@ -262,7 +300,8 @@ class Planner:
     def _replan(self) -> list[int]:
         old = frozenset(self.plan.sizes)
         self.plan = plan(self.traffic.weights, limit=self.config.max_num_seqs, padding=self.padding,
-                         warmups=max(self.config.cudagraph_num_of_warmups, 1), captured=old, fits=self.fits)
+                         warmups=max(self.config.cudagraph_num_of_warmups, 1), captured=old, fits=self.fits,
+                         history=self.traffic.history)
         released = sorted(old - set(self.plan.sizes))
         record = self.record
         record.sizes, record.reasons = list(self.plan.sizes), list(self.plan.reasons)

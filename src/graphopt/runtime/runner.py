@@ -13,12 +13,16 @@ graph directly (the dispatcher says so). With capture sizes "auto" the sizes are
 the runner's capture plan (`capture_plan.py`): every call's batch is counted, and
 every `capture_replan_interval` calls, before dispatch and never during a replay,
 the sizes are planned again and the graphs of the sizes left out are released.
+
+A replay's outputs live in the device graph's memory, which the next replay
+overwrites. Outputs of the last replay that the caller still holds when the next
+one starts (a weak reference each) are first given memory of their own with their
+values (`Tensor.set_` on a copy), so a held output never changes under its holder.
 """
 
 from __future__ import annotations
 
 import threading
-import warnings
 import weakref
 from typing import Any, Callable
 
@@ -70,13 +74,13 @@ class GraphRunner:
         # pieces read it from running_at().
         self._run_at = graph.run_at if isinstance(graph, CapturedGraph) else self._run_pieces_at
         self.other_values: set[tuple] = set()
-        # Graphs of one pool share memory: they must never replay at once, across runners too.
-        self.lock = _pool_lock(config.graph_pool)
+        # Graphs of one pool share memory: they must never replay at once, across runners
+        # too, and one's replay overwrites the others' outputs (weak references to them).
+        self.lock, self.handed_out = _pool_state(config.graph_pool)
         # Outputs are cloned once two threads have called the step: shared by its runners,
         # because a runner one thread meets first may replay over what it handed another.
         self.callers = callers if callers is not None else set()
-        self.handed_out: list[weakref.ref] = []
-        self._warned_held_outputs = False
+        self.pool_outputs: list[int] | None = None  # positions of the outputs in a device graph's memory
         self.inputs_checked = False  # Dynamo guards the input types: they are checked once
         self.unsupported: str | None = None  # why the inputs rule out device graphs
 
@@ -89,9 +93,9 @@ class GraphRunner:
         batch, size, point, traffic = route
         with self.lock:
             self.callers.add(threading.get_ident())
+            if self.handed_out:  # before the inputs' fill: an output may be a static input's view
+                self._copy_out_held()
             static_args = self.inputs.fill(list(args), batch, size)
-            if self.handed_out and _any_alive(self.handed_out):
-                self._warn_held_outputs()
             outputs = self._run_at(point, static_args)
             if traffic:
                 if batch is not None:
@@ -179,15 +183,27 @@ class GraphRunner:
             for i, number in self.signature.numbers_of(args).items():
                 result[i] = number
         if not clone and any([piece.owns_outputs for piece in self.captured]):
-            self.handed_out = [weakref.ref(t) for t in result if isinstance(t, torch.Tensor)]
+            if self.pool_outputs is None:
+                self.pool_outputs = _pool_outputs(result, args)
+            self.handed_out.extend([weakref.ref(result[i]) for i in self.pool_outputs])
         return tuple(result) if isinstance(outputs, tuple) else result
 
-    def _warn_held_outputs(self) -> None:
-        if not self._warned_held_outputs:
-            self._warned_held_outputs = True
-            warnings.warn("an output of the previous replay is still referenced and is about to be "
-                          "overwritten by this replay, as with any device graph; pass "
-                          "clone_output=True to get fresh tensors from every call", stacklevel=3)
+    def _copy_out_held(self) -> None:
+        """Give each output of the last replay that is still held memory of its own,
+        holding its values, before this replay overwrites the graph's."""
+        for ref in self.handed_out:
+            held = ref()
+            if held is None:
+                continue
+            # set_ keeps the holder's tensor object, only its memory moves. An output made
+            # in inference mode can only be changed in it (entering it costs ~2 µs).
+            if torch.is_inference_mode_enabled():
+                held.set_(held.clone())
+            else:
+                with torch.inference_mode():
+                    held.set_(held.clone())
+            self.report.held_copies += 1
+        self.handed_out.clear()
 
 
 def _batch_description(signature: Signature) -> str:
@@ -209,11 +225,13 @@ def _unsupported_input(args: tuple) -> str | None:
     return None
 
 
-def _any_alive(refs: list[weakref.ref]) -> bool:
-    for ref in refs:  # a loop, not any() over a generator: this runs on every replay
-        if ref() is not None:
-            return True
-    return False
+def _pool_outputs(result: list, args: tuple) -> list[int]:
+    """The positions of the tensor outputs in a device graph's memory: not those on an
+    argument's memory (a returned input or cache, which stays the caller's own). The
+    same for every call of one graph, so found once."""
+    inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+    return [i for i, out in enumerate(result)
+            if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() not in inputs]
 
 
 def _rows(out: Any, dim: int | None, batch: int | None, clone: bool) -> Any:
@@ -230,13 +248,14 @@ def _rows(out: Any, dim: int | None, batch: int | None, clone: bool) -> Any:
     return view.clone() if clone else view
 
 
-_pool_locks: dict[int, threading.RLock] = {}
-_pool_locks_guard = threading.Lock()
+_pool_states: dict[int, tuple[threading.RLock, list[weakref.ref]]] = {}
+_pool_states_guard = threading.Lock()
 
 
-def _pool_lock(pool: Any) -> threading.RLock:
-    """One lock per user pool (shared by every runner given it); a private one otherwise."""
+def _pool_state(pool: Any) -> tuple[threading.RLock, list[weakref.ref]]:
+    """A lock and the outputs handed out from the pool's memory: one pair per user pool
+    (shared by every runner given it); a private one otherwise."""
     if pool is None:
-        return threading.RLock()
-    with _pool_locks_guard:
-        return _pool_locks.setdefault(id(pool), threading.RLock())
+        return threading.RLock(), []
+    with _pool_states_guard:
+        return _pool_states.setdefault(id(pool), (threading.RLock(), []))
