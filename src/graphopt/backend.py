@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 import weakref
 from typing import Any, Callable, Mapping, Sequence
@@ -86,6 +87,7 @@ class Backend:
         self.repackables: list[Repackable] = []
         self.callers: set[int] = set()  # threads that called a GraphRunner of this Backend
         self.graph_pools: dict[str, Any] = {}  # device -> the graph pool its runners' CUDA graphs share
+        self.replay_lock = threading.RLock()  # so they never replay at once (runtime/runner.py)
         # Set once Dynamo hands over a graph with a symbolic size: from then on a new
         # batch size finds that graph, so callers can stop marking dynamic dims.
         self.compiled_dynamic = False

@@ -65,7 +65,7 @@ def runner_of(backend: Backend, compiled: Callable, signature: Signature, key: s
     record = report.piece(len(report.pieces), None)
     captured = CapturedGraph(compiled, record, config, report, Pool(config, backend.graph_pools),
                              signature.static)
-    return GraphRunner(captured, signature, [captured], config, report, backend.callers, key)
+    return GraphRunner(captured, signature, [captured], config, report, backend.callers, key, backend.replay_lock)
 
 
 def _piecewise(backend: Backend, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], unsafe: dict,
@@ -96,4 +96,4 @@ def _piecewise(backend: Backend, gm: torch.fx.GraphModule, example_inputs: Seque
         return wrapper
 
     piecewise.compile_pieces(split_gm, example_inputs, compile_piece)
-    return GraphRunner(split_gm, signature, captured, config, report, backend.callers, key)
+    return GraphRunner(split_gm, signature, captured, config, report, backend.callers, key, backend.replay_lock)

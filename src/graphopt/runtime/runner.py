@@ -44,7 +44,7 @@ MAX_OTHER_VALUES = 8
 class GraphRunner:
     def __init__(self, graph: Callable, signature: Signature, captured: list[CapturedGraph],
                  config: GraphOptimizationConfig, report: Report, callers: set[int] | None = None,
-                 graph_key: str | None = None):
+                 graph_key: str | None = None, lock: threading.RLock | None = None):
         """`graph` runs the compiled graph; its `captured` parts replay when called at a capture point.
         `callers`: the threads that have called the step, shared by all its runners.
         `graph_key`: the graph's compile cache key, under which "auto" keeps its traffic."""
@@ -75,8 +75,9 @@ class GraphRunner:
         self._run_at = graph.run_at if isinstance(graph, CapturedGraph) else self._run_pieces_at
         self.other_values: set[tuple] = set()
         # Graphs of one pool share memory: they must never replay at once, across runners
-        # too, and one's replay overwrites the others' outputs (weak references to them).
-        self.lock, self.handed_out = _pool_state(config.graph_pool)
+        # too (the CUDA graphs of one model share a pool: `lock` is its Backend's), and
+        # with a user's pool one's replay overwrites the others' outputs (weak references).
+        self.lock, self.handed_out = _pool_state(config.graph_pool, lock)
         # Outputs are cloned once two threads have called the step: shared by its runners,
         # because a runner one thread meets first may replay over what it handed another.
         self.callers = callers if callers is not None else set()
@@ -252,10 +253,10 @@ _pool_states: dict[int, tuple[threading.RLock, list[weakref.ref]]] = {}
 _pool_states_guard = threading.Lock()
 
 
-def _pool_state(pool: Any) -> tuple[threading.RLock, list[weakref.ref]]:
+def _pool_state(pool: Any, lock: threading.RLock | None) -> tuple[threading.RLock, list[weakref.ref]]:
     """A lock and the outputs handed out from the pool's memory: one pair per user pool
-    (shared by every runner given it); a private one otherwise."""
+    (shared by every runner given it); else `lock` (or a private one) and a private list."""
     if pool is None:
-        return threading.RLock(), []
+        return lock or threading.RLock(), []
     with _pool_states_guard:
         return _pool_states.setdefault(id(pool), (threading.RLock(), []))
