@@ -23,7 +23,7 @@ def test_defaults():
     assert cfg.graph_opt_level == 1
     assert cfg.use_cudagraph is True
     assert cfg.max_num_seqs == 256
-    assert cfg.cudagraph_num_of_warmups == 2
+    assert cfg.cudagraph_num_of_warmups == 1
     assert cfg.capture_error_mode == "thread_local"
     assert cfg.graph_pool is None
     assert cfg.reuse_pool_in_same_graph is True
