@@ -48,9 +48,11 @@ class PassVerificationError(RuntimeError):
 def builtin_passes() -> dict[str, PassFn]:
     """Every pass graphopt ships, by name (the names `disabled_passes` takes)."""
     from . import algebraic, cleanup, constant_fold, layout, memory_plan, redundant, reinplace
+    from .canonical import canonical_passes
     from .fusion import fusion_passes, linear, packed_linear
 
     return {
+        **canonical_passes(),
         **fusion_passes(),
         "dce": cleanup.dce,
         "cse": cleanup.cse,
@@ -74,9 +76,12 @@ CLEANUP = ["dce", "remove_noops", "remove_redundant", "simplify_algebra", "cse",
 CLEANUP_ROUNDS = 4
 
 def _fusions() -> list[str]:
+    from .canonical import canonical_passes
     from .fusion import fusion_passes
 
-    return list(fusion_passes())
+    # Canonicalization right before the fusions: it rewrites each op family into the
+    # one form the fusions match, after cleanup has merged and folded what it reads.
+    return [*canonical_passes(), *fusion_passes()]
 
 
 # Mutation-introducing passes go last: the passes before them see a functional graph.
