@@ -34,10 +34,10 @@ def canonicalize_attention(gm: torch.fx.GraphModule) -> PassResult:
         before:  keys = aten.view(aten.repeat(k, [1, 2, 1, 1]), [8, 64, 16])
                  scores = aten.baddbmm(bias3, aten.view(q, [8, 1, 16]), aten.transpose(keys, 1, 2), alpha=0.25)
                  out = aten.bmm(aten._softmax(scores, -1, False), values)          (values likewise)
-        after:   q2 = view(clone(transpose(view(q, [-1, 2, 2, 1, 16]), 1, 2)), [-1, 4, 1, 16])
+        after:   q2 = view(clone(permute(view(q, [-1, 2, 2, 1, 16]), [0, 2, 1, 3, 4])), [-1, 4, 1, 16])
                  keys = view(clone(expand(unsqueeze(k, 2), [-1, -1, 2, -1, -1])), [-1, 4, 64, 16])
-                 p = _softmax(add(mul(matmul(q2, keysᵀ), 0.25), bias), -1, False)
-                 out2 = matmul(p, values);  out = view(un-permuted out2, [-1, 1, 16])
+                 p = _softmax(add(mul(q2 @ keysᵀ, 0.25), bias4), -1, False)      (bias4: bias3 before its reshape)
+                 out2 = p @ values;  out = view(out2 with its heads permuted back, [-1, 1, 16])
 
     The matmuls are written as Inductor's decomposition writes them (view, bmm,
     view). Sound because every op between a matmul and its operands' 4-D sources
@@ -48,8 +48,9 @@ def canonicalize_attention(gm: torch.fx.GraphModule) -> PassResult:
     x % kv), `unsqueeze(k, 2)` broadcast to [b, kv, g] repeats each (x reads x // g).
     Tiled heads are made repeated ones by permuting the query heads (and a mask that
     varies per head) and the output back. Left alone: attention already in the
-    form, casts around the softmax, sizes other than the batch that are symbolic,
-    and intermediates read elsewhere.
+    form, keys and values whose heads map differently, symbolic head counts, masks
+    not read per [b, heads] row, casts around the softmax, and intermediates read
+    elsewhere (attention weights returned).
     """
     mode = _compat.fake_mode_of(gm) or contextlib.nullcontext()
     rewritten = 0
@@ -69,9 +70,8 @@ class _Site:
     v: torch.fx.Node  # [b, kv, s, dv]
     tiled: bool  # query head x reads kv head x % kv (else x // group)
     scale: float
-    mask: tuple | None  # (node, kind, fill) as score_stages gives them, kind "add" or "drop"
+    mask: tuple | None  # (node, kind, fill) as score_stages gives them: kind "add", "drop" or "keep"
     out: torch.fx.Node  # the product p @ v as the model shaped it
-    internal: set
 
 
 def _site(gm: torch.fx.GraphModule, node: torch.fx.Node) -> _Site | None:
@@ -100,7 +100,7 @@ def _site(gm: torch.fx.GraphModule, node: torch.fx.Node) -> _Site | None:
     internal = {bmm, top, node, pv, *chain, *softmax[1], *(s for s, _, _ in stages)}
     if any(set(n.users) - internal - {out} for n in internal - {out}):
         return None
-    site = _Site(q, k[0], v[0], k[1], scale, mask, out, internal)
+    site = _Site(q, k[0], v[0], k[1], scale, mask, out)
     return site if _shapes_agree(site, k[2], bmm) else None
 
 

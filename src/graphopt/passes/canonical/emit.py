@@ -20,9 +20,9 @@ class _Refused(Exception):
 
 
 class Emitter:
-    """Inserts the canonical attention before the site's output, nodes built by hand
-    (not traced) so that the batch stays a `-1` in every view and no symbolic size
-    is written into the graph as a constant."""
+    """Inserts the canonical attention before the site's output. The nodes are built
+    by hand, not traced: the batch stays a `-1` in every view and other symbolic
+    sizes are read with `sym_size`, where a trace would write them in as constants."""
 
     def __init__(self, gm: torch.fx.GraphModule, site: Any, mode: Any):
         self.gm, self.site, self.mode, self.made = gm, site, mode, []
