@@ -175,11 +175,16 @@ def vector_norm_form(x, w):
     return w * (x * torch.rsqrt(squares + 1e-6))
 
 
+def tensor_norm_form(x, w):
+    return x * torch.rsqrt(x.norm(dim=-1, keepdim=True) ** 2 * (1 / x.shape[-1]) + 1e-6) * w
+
+
 def divided_by_root(x, w):
     return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
 
 
-@pytest.mark.parametrize("fn, rewrote", [(vector_norm_form, "mean_of_squares"), (divided_by_root, "rsqrt")])
+@pytest.mark.parametrize("fn, rewrote", [(vector_norm_form, "mean_of_squares"), (tensor_norm_form, "mean_of_squares"),
+                                         (divided_by_root, "rsqrt")])
 def test_rms_norm_spellings_fuse(fn, rewrote):
     graph, counts = rewrite(fn, (X, W), [canonicalize_norms, fuse_norms])
     assert counts[0] == {rewrote: 1} and counts[1] == {"rms_norm": 1}
