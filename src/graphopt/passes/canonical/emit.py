@@ -157,15 +157,18 @@ class Emitter:
 def _flattened(node: torch.fx.Node, heads: int) -> torch.fx.Node | None:
     """The [b, heads, t, s] value a 3-D mask [b * heads, t, s] flattens, or the
     [b, 1, t, s] one it was broadcast from."""
+    rows = value_of(node).shape[-2:]
     while node.target in (*_VIEWS, aten.clone.default) and isinstance(node.args[0], torch.fx.Node):
         val = value_of(node)
-        if val is not None and val.dim() == 4 and _compat.known_true(val.shape[1] == heads):
+        if val is not None and val.dim() == 4 and _compat.known_true(val.shape[1] == heads) \
+                and _compat.same_sizes(val.shape[-2:], rows):
             break
         node = node.args[0]
     while node.target is aten.clone.default and isinstance(node.args[0], torch.fx.Node):
         node = node.args[0]  # a copy of the same values
     val = value_of(node)
-    if val is None or val.dim() != 4 or not _compat.known_true(val.shape[1] == heads):
+    if val is None or val.dim() != 4 or not _compat.known_true(val.shape[1] == heads) \
+            or not _compat.same_sizes(val.shape[-2:], rows):
         return None
     source = node.args[0] if node.target is aten.expand.default else None
     if source is not None and value_of(source) is not None and value_of(source).dim() == 4 \
