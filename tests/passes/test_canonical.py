@@ -125,6 +125,25 @@ def test_5d_grouped_broadcast(split, at):
     gqa_sdpa(graph)
 
 
+def repeated_before_the_heads_move(q, k, v, keep, tile=False):
+    """Cache rows [b, s, KV, d] repeated along dim 2, then transposed to [b, h, s, d]."""
+    rows = (k.transpose(1, 2), v.transpose(1, 2))
+    keys, values = (r.repeat(1, 1, G, 1) if tile else r.repeat_interleave(G, dim=2) for r in rows)
+    scores = q @ keys.transpose(1, 2).transpose(-2, -1) / math.sqrt(D)
+    probs = torch.softmax(scores.masked_fill(~keep[:, None], float("-inf")), dim=-1)
+    return probs @ values.transpose(1, 2)
+
+
+@pytest.mark.parametrize("tile", [False, True])
+def test_kv_heads_repeated_before_they_move_to_dim_1(tile):
+    def fn(q, k, v, keep):
+        return repeated_before_the_heads_move(q, k, v, keep, tile)
+
+    graph, counts = rewrite(fn, (*qkv(), allowed()), [canonicalize_attention, fuse_attention])
+    assert counts == [{"attention": 1}, {"scaled_dot_product_attention": 1}]
+    gqa_sdpa(graph)
+
+
 def test_repeat_kv_form_is_left_as_it_is():
     graph = aot_graph(interleaved, *qkv(), allowed())
     before = targets(graph)

@@ -28,8 +28,10 @@ _MAX_STAGES = 6
 
 def canonicalize_attention(gm: torch.fx.GraphModule) -> PassResult:
     """Rewrite attention over flattened (3-D, `bmm`/`baddbmm`) or grouped (5-D,
-    broadcasting) batch dims, or over kv heads tiled by `repeat`, as 4-D attention
-    whose kv heads are repeated as `repeat_kv` does, which the attention fusions match.
+    broadcasting) batch dims, over kv heads tiled by `repeat`, or over cache rows
+    [b, s, kv, d] repeated along dim 2 before the heads move to dim 1, as 4-D
+    attention whose kv heads are repeated as `repeat_kv` does, which the attention
+    fusions match.
 
         before:  keys = aten.view(aten.repeat(k, [1, 2, 1, 1]), [8, 64, 16])
                  scores = aten.baddbmm(bias3, aten.view(q, [8, 1, 16]), aten.transpose(keys, 1, 2), alpha=0.25)
@@ -72,6 +74,7 @@ class _Site:
     scale: float
     mask: tuple | None  # (node, kind, fill) as score_stages gives them: kind "add", "drop" or "keep"
     out: torch.fx.Node  # the product p @ v as the model shaped it
+    moved: bool = False  # k and v are [b, s, kv, d]: their heads go to dim 1 first
 
 
 def _site(gm: torch.fx.GraphModule, node: torch.fx.Node) -> _Site | None:
@@ -95,12 +98,12 @@ def _site(gm: torch.fx.GraphModule, node: torch.fx.Node) -> _Site | None:
         return None
     out, pv, chain = consumer
     v = _kv(pv.args[1], False)
-    if v is None or k[1:] != v[1:] or (rank == 4 and not k[1]) or not math.isfinite(scale):
+    if v is None or k[1:] != v[1:] or (rank == 4 and not (k[1] or k[3])) or not math.isfinite(scale):
         return None
     internal = {bmm, top, node, pv, *chain, *softmax[1], *(s for s, _, _ in stages)}
     if any(set(n.users) - internal - {out} for n in internal - {out}):
         return None
-    site = _Site(q, k[0], v[0], k[1], scale, mask, out)
+    site = _Site(q, k[0], v[0], k[1], scale, mask, out, k[3])
     return site if _shapes_agree(site, k[2], bmm) else None
 
 
@@ -162,8 +165,9 @@ def _query(operand: torch.fx.Node) -> torch.fx.Node | None:
 
 
 def _kv(operand: torch.fx.Node, transposed: bool) -> tuple | None:
-    """(kv [b, kv, s, d], tiled, group) read by a matmul operand (transposed for the
-    keys), through `repeat`, a broadcast `unsqueeze` or nothing (group 1)."""
+    """(kv, tiled, group, moved) read by a matmul operand (transposed for the keys),
+    through `repeat`, a broadcast `unsqueeze` or nothing (group 1): kv is [b, kv, s, d],
+    or [b, s, kv, d] when `moved` (repeated along dim 2, then transposed)."""
     source, swaps, _, seen = _batch_chain(operand)
     tiled, group = False, 1
     if source.target is aten.repeat.default and len(source.args[1]) == 4 \
@@ -172,15 +176,49 @@ def _kv(operand: torch.fx.Node, transposed: bool) -> tuple | None:
     elif source.target is aten.unsqueeze.default and value_of(source) is not None and value_of(source).dim() == 5 \
             and source.args[1] % 5 in (1, 2):
         source, tiled, group = source.args[0], source.args[1] % 5 == 1, 0  # group from the heads
-    else:  # no GQA: the earliest 4-D value on the way
+    else:  # the earliest 4-D value on the way: repeated before its heads moved to dim 1, or no GQA
         source, swaps = next(((n, t) for n, t, _ in reversed(seen)
                               if value_of(n) is not None and value_of(n).dim() == 4), (source, swaps))
+        moved = _heads_moved(source)
+        found = _repeated_heads_last(moved[0]) if moved else None
+        if found is not None:
+            return (found[0], *found[1:], True) if (swaps + moved[1]) % 2 == transposed else None
     if _swaps_last_two(source):
         source, swaps = source.args[0], swaps + 1
     val = value_of(source)
     if val is None or val.dim() != 4 or swaps % 2 != transposed:
         return None
-    return source, tiled, group
+    return source, tiled, group, False
+
+
+def _heads_moved(node: torch.fx.Node) -> tuple[torch.fx.Node, int] | None:
+    """(x, 0) when `node` is x [b, s, h, d] with dims 1 and 2 swapped, (x, 1) when its
+    last two dims are then swapped too (a transpose pair composed into one permute)."""
+    if node.target is aten.transpose.int and value_of(node) is not None and value_of(node).dim() == 4 \
+            and sorted(d % 4 for d in node.args[1:]) == [1, 2]:
+        return node.args[0], 0
+    if node.target is aten.permute.default and list(node.args[1]) in ([0, 2, 1, 3], [0, 2, 3, 1]):
+        return node.args[0], int(list(node.args[1]) == [0, 2, 3, 1])
+    return None
+
+
+def _repeated_heads_last(node: torch.fx.Node) -> tuple | None:
+    """(x [b, s, kv, d], tiled, group) when `node` [b, s, h, d] repeats x's heads along
+    dim 2: `repeat(x, [1, 1, g, 1])` (tiled) or repeat_interleave's
+    `view(clone(expand(unsqueeze(x, 3))))` (repeated)."""
+    if node.target is aten.repeat.default and len(node.args[1]) == 4 and isinstance(node.args[1][2], int) \
+            and [node.args[1][i] for i in (0, 1, 3)] == [1, 1, 1]:
+        return node.args[0], True, node.args[1][2]
+    expand = node.args[0] if node.target in _VIEWS else None
+    expand = expand.args[0] if isinstance(expand, torch.fx.Node) and expand.target is aten.clone.default else expand
+    if not (isinstance(expand, torch.fx.Node) and expand.target is aten.expand.default
+            and expand.args[0].target is aten.unsqueeze.default and expand.args[0].args[1] % 5 == 3):
+        return None
+    x, sizes = expand.args[0].args[0], value_of(expand).shape
+    if value_of(x) is None or value_of(x).dim() != 4 or not isinstance(sizes[3], int) \
+            or not _compat.same_sizes(value_of(node).shape, [*sizes[:2], sizes[2] * sizes[3], sizes[4]]):
+        return None
+    return x, False, sizes[3]
 
 
 def _consumer(probs: torch.fx.Node, rank: int) -> tuple[torch.fx.Node, torch.fx.Node, list] | None:
@@ -207,12 +245,14 @@ def _shapes_agree(site: _Site, group: int, bmm: torch.fx.Node) -> bool:
     q, k, v, out = (value_of(n) for n in (site.q, site.k, site.v, site.out))
     if q is None or k is None or v is None or out is None:
         return False
+    order = [0, 2, 1, 3] if site.moved else [0, 1, 2, 3]
+    k, v = [k.shape[i] for i in order], [v.shape[i] for i in order]  # [b, kv, s, d]
     b, heads, t, d = q.shape
-    group = group or heads // k.shape[1]
-    static = [heads, k.shape[1], *out.shape[1:-2]]  # the heads: the rewrite splits and permutes them
-    if not all(isinstance(s, int) for s in static) or k.shape[1] * group != heads:
+    group = group or heads // k[1]
+    static = [heads, k[1], *out.shape[1:-2]]  # the heads: the rewrite splits and permutes them
+    if not all(isinstance(s, int) for s in static) or k[1] * group != heads:
         return False
-    if not (_compat.same_sizes([k.shape[0], v.shape[0], k.shape[3], k.shape[2]], [b, b, d, v.shape[2]])
-            and _compat.same_sizes([value_of(bmm).shape[0]], [value_of(site.out).numel() // (t * v.shape[3])])):
+    if not (_compat.same_sizes([k[0], v[0], k[3], k[2]], [b, b, d, v[2]])
+            and _compat.same_sizes([value_of(bmm).shape[0]], [out.numel() // (t * v[3])])):
         return False
-    return _compat.known_true(value_of(site.out).numel() == b * heads * t * v.shape[3])
+    return _compat.known_true(out.numel() == b * heads * t * v[3])

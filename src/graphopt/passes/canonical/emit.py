@@ -26,7 +26,7 @@ class Emitter:
 
     def __init__(self, gm: torch.fx.GraphModule, site: Any, mode: Any):
         self.gm, self.site, self.mode, self.made = gm, site, mode, []
-        self.heads, self.kv = value_of(site.q).shape[1], value_of(site.k).shape[1]
+        self.heads, self.kv = value_of(site.q).shape[1], value_of(site.k).shape[2 if site.moved else 1]
         self.group = self.heads // self.kv
         self.s: Any = None  # the keys' length, a number or a sym_size node once known
 
@@ -56,13 +56,16 @@ class Emitter:
 
     def _attention(self) -> torch.fx.Node | None:
         site, h = self.site, self.heads
-        t, d, s, dv = (self.size(n, dim) for n, dim in ((site.q, 2), (site.q, 3), (site.k, 2), (site.v, 3)))
+        k, v = site.k, site.v
+        if site.moved:
+            k, v = (self.call(aten.permute.default, n, [0, 2, 1, 3]) for n in (k, v))
+        t, d, s, dv = (self.size(n, dim) for n, dim in ((site.q, 2), (site.q, 3), (k, 2), (v, 3)))
         self.s = s
         mask = self._mask()
         if mask is False:
             return None
         q = self._permuted(site.q, d) if site.tiled else site.q
-        keys, values = self._repeated(site.k), self._repeated(site.v)
+        keys, values = self._repeated(k), self._repeated(v)
         scores = self._bmm(q, self.call(aten.permute.default, keys, [0, 1, 3, 2]), [-1, t, d], [-1, d, s], [-1, h, t, s])
         if site.scale != 1.0:
             scores = self.call(aten.mul.Tensor, scores, site.scale)
