@@ -75,7 +75,7 @@ def builtin_passes() -> dict[str, PassFn]:
 CLEANUP = ["dce", "remove_noops", "remove_redundant", "simplify_algebra", "cse", "fold_constants"]
 CLEANUP_ROUNDS = 4
 
-def _fusions() -> list[str]:
+def _canonical_and_fusions() -> list[str]:
     from .canonical import canonical_passes
     from .fusion import fusion_passes
 
@@ -95,10 +95,10 @@ def _fusions() -> list[str]:
 # honour graphopt's explicit clones as copies.
 PIPELINES: dict[int, list[str]] = {
     0: [],
-    1: [*CLEANUP, *_fusions(), "recompose_linear", "recompose_matmul", "fuse_packed_linear",
+    1: [*CLEANUP, *_canonical_and_fusions(), "recompose_linear", "recompose_matmul", "fuse_packed_linear",
         "convert_layout",
         "reinplace_input_mutations", "reinplace_intermediates", "plan_memory"],
-    2: [*CLEANUP, *_fusions()],
+    2: [*CLEANUP, *_canonical_and_fusions()],
 }
 
 
