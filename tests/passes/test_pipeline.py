@@ -7,6 +7,7 @@ import graphopt
 from graphopt import _compat
 from graphopt.passes import manager
 from graphopt.passes.base import PassResult
+from graphopt.passes.canonical import canonical_passes
 from graphopt.passes.fusion import fusion_passes
 from graphopt.passes.constant_fold import refresh_folded_constants
 from support import targets
@@ -63,7 +64,15 @@ def test_rounds_are_bounded(monkeypatch):
 def test_both_levels_run_the_cleanup_passes():
     assert manager.PIPELINES[1][:len(manager.CLEANUP)] == manager.CLEANUP
     assert manager.PIPELINES[2][:len(manager.CLEANUP)] == manager.CLEANUP
-    assert set(manager.PIPELINES[2][len(manager.CLEANUP):]) <= set(fusion_passes())
+    assert set(manager.PIPELINES[2][len(manager.CLEANUP):]) <= set(canonical_passes()) | set(fusion_passes())
+
+
+def test_canonicalization_runs_between_cleanup_and_the_fusions():
+    for level in (1, 2):
+        pipeline = manager.PIPELINES[level]
+        canonical = [pipeline.index(name) for name in canonical_passes()]
+        assert pipeline.index("fold_constants") < min(canonical)
+        assert max(canonical) < min(pipeline.index(name) for name in fusion_passes())
     fusions = ("recompose_linear", "recompose_matmul")
     assert all(manager.PIPELINES[1].index("fold_constants") < manager.PIPELINES[1].index(f) for f in fusions)
 

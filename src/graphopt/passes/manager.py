@@ -48,9 +48,11 @@ class PassVerificationError(RuntimeError):
 def builtin_passes() -> dict[str, PassFn]:
     """Every pass graphopt ships, by name (the names `disabled_passes` takes)."""
     from . import algebraic, cleanup, constant_fold, layout, memory_plan, redundant, reinplace
+    from .canonical import canonical_passes
     from .fusion import fusion_passes, linear, packed_linear
 
     return {
+        **canonical_passes(),
         **fusion_passes(),
         "dce": cleanup.dce,
         "cse": cleanup.cse,
@@ -73,10 +75,13 @@ def builtin_passes() -> dict[str, PassFn]:
 CLEANUP = ["dce", "remove_noops", "remove_redundant", "simplify_algebra", "cse", "fold_constants"]
 CLEANUP_ROUNDS = 4
 
-def _fusions() -> list[str]:
+def _canonical_and_fusions() -> list[str]:
+    from .canonical import canonical_passes
     from .fusion import fusion_passes
 
-    return list(fusion_passes())
+    # Canonicalization right before the fusions: it rewrites each op family into the
+    # one form the fusions match, after cleanup has merged and folded what it reads.
+    return [*canonical_passes(), *fusion_passes()]
 
 
 # Mutation-introducing passes go last: the passes before them see a functional graph.
@@ -90,10 +95,10 @@ def _fusions() -> list[str]:
 # honour graphopt's explicit clones as copies.
 PIPELINES: dict[int, list[str]] = {
     0: [],
-    1: [*CLEANUP, *_fusions(), "recompose_linear", "recompose_matmul", "fuse_packed_linear",
+    1: [*CLEANUP, *_canonical_and_fusions(), "recompose_linear", "recompose_matmul", "fuse_packed_linear",
         "convert_layout",
         "reinplace_input_mutations", "reinplace_intermediates", "plan_memory"],
-    2: [*CLEANUP, *_fusions()],
+    2: [*CLEANUP, *_canonical_and_fusions()],
 }
 
 

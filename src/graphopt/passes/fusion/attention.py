@@ -95,7 +95,7 @@ class Found:
 
 
 def match(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Found | None:
-    softmax = _softmax(node)
+    softmax = softmax_input(node)
     walked = _scores(gm, softmax[0], _MAX_STAGES) if softmax else None
     if walked is None:
         return None
@@ -135,7 +135,7 @@ def _last_dim(x: Any, dims: Any) -> bool:
     return val is not None and len(dims) == 1 and dims[0] in (-1, val.dim() - 1)
 
 
-def _softmax(node: torch.fx.Node) -> tuple[torch.fx.Node, set] | None:
+def softmax_input(node: torch.fx.Node) -> tuple[torch.fx.Node, set] | None:
     """(input, the softmax's nodes but the last) when `node` is a softmax over the
     last dim: `_softmax`, Inductor's amax/sub/exp/sum/div decomposition, or the form
     its CUDA post-grad pass leaves (max and sum from one `prepare_softmax_online`)."""
@@ -166,14 +166,14 @@ def _scores(gm: torch.fx.GraphModule, x: Any, budget: int):
     product = _matmul(x) if isinstance(x, torch.fx.Node) else None
     if product is not None:
         return [], (product[0], product[1], product[2] | {x})
-    for kind, source, value in _stages(gm, x) if budget and isinstance(x, torch.fx.Node) else ():
+    for kind, source, value in score_stages(gm, x) if budget and isinstance(x, torch.fx.Node) else ():
         rest = _scores(gm, source, budget - 1)
         if rest is not None:
             return [(x, kind, value)] + rest[0], rest[1]
     return None
 
 
-def _stages(gm: torch.fx.GraphModule, node: torch.fx.Node):
+def score_stages(gm: torch.fx.GraphModule, node: torch.fx.Node):
     """What `node` may do to the scores on their way to the softmax: ("scale", input,
     factor), ("cast", input, None), or a mask ("add"/"keep"/"drop", input, (mask, fill))."""
     target, args = node.target, node.args
