@@ -144,18 +144,16 @@ def softmax_input(node: torch.fx.Node) -> tuple[torch.fx.Node, set] | None:
     if node.target is not aten.div.Tensor or not all(isinstance(a, torch.fx.Node) for a in node.args):
         return None
     exp, total = node.args
-    if exp.target is not aten.exp.default or exp.args[0].target is not aten.sub.Tensor:
+    if exp.target is not aten.exp.default or exp.args[0].target is not aten.sub.Tensor \
+            or not isinstance(exp.args[0].args[1], torch.fx.Node):
         return None
     x, amax = exp.args[0].args
-    if not isinstance(amax, torch.fx.Node):
-        return None
     if total.target is aten.sum.dim_IntList and total.args[0] is exp and amax.target is aten.amax.default \
             and amax.args[0] is x and _last_dim(x, amax.args[1]) and _last_dim(x, total.args[1]):
         return x, {exp, total, exp.args[0], amax}
-    online = amax.args[0] if amax.target is operator.getitem else None
+    online = amax.args[0] if amax.target is operator.getitem and total.target is operator.getitem else None
     if online is not None and online.target is patterns.online_softmax_op() and online.args[0] is x \
-            and _last_dim(x, online.args[1]) and amax.args == (online, 0) \
-            and total.target is operator.getitem and total.args == (online, 1):
+            and _last_dim(x, online.args[1]) and (amax.args, total.args) == ((online, 0), (online, 1)):
         return x, {exp, total, exp.args[0], amax, online}
     return None
 
