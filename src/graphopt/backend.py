@@ -249,6 +249,7 @@ class Backend:
             optimized.append((graph.owning_module, self._optimize(graph.owning_module, record, real_inputs, kinds)))
 
         autotune.hide_inductor_storage_warning()
+        autotune.hide_cuda_home_warning()
         options = {**inductor_options(device_type(real_inputs), cached=key is not None,
                                       frozen=self.config.freeze_parameters),
                    **self.config.inductor_compile_config}

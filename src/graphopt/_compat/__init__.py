@@ -108,6 +108,9 @@ def check_cpu_isas_early() -> threading.Thread:
     step is made, they overlap Dynamo's trace, AOTAutograd and the passes instead of
     following them. Inductor reads the results (its `valid_vec_isa_list` cache, its
     files under their locks) when it gets there; a failure here is its to report."""
+    from . import autotune
+
+    autotune.hide_cuda_home_warning()
     # Everything the checks import, imported on this thread: two threads importing
     # circularly dependent modules (setuptools, distutils) at once can deadlock.
     import torch.utils.cpp_extension  # noqa: F401

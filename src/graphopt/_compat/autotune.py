@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import sys
 import warnings
@@ -37,6 +38,20 @@ def hide_inductor_storage_warning() -> None:
     own call still warns."""
     warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning,
                             module=r"torch\._inductor\.")
+
+
+class _NoCudaHome(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("No CUDA runtime is found")
+
+
+@functools.cache
+def hide_cuda_home_warning() -> None:
+    """A CUDA build of torch on a machine without a GPU logs, when its C++ extension
+    loader is first imported (by a CPU compile: Inductor's, or graphopt's kernels),
+    that it found no CUDA runtime: about the machine, not the user's model, and on
+    their stderr. The filter drops that one message of that one logger."""
+    logging.getLogger("torch.utils.cpp_extension").addFilter(_NoCudaHome())
 
 
 @contextlib.contextmanager
