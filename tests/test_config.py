@@ -194,7 +194,7 @@ def test_replace_validates_again():
     cfg = GraphOptimizationConfig()
     assert cfg.replace(verify=True).verify is True
     assert cfg.verify is False
-    with pytest.raises(ValueError, match=r"graph_opt_level must be an int in \{0, 1, 2\}, got 5"):
+    with pytest.raises(ValueError, match=r"graph_opt_level must be an int in \{0, 1, 2\} or 'auto', got 5"):
         cfg.replace(graph_opt_level=5)
     with pytest.raises(ValueError, match="did you mean 'verify'"):
         cfg.replace(verfy=True)
@@ -233,12 +233,12 @@ def test_from_dict_rejects_non_mapping():
 @pytest.mark.parametrize(
     "key, value, exc, pattern",
     [
-        ("graph_opt_level", "1", TypeError, r"graph_opt_level must be an int in \{0, 1, 2\}, got '1' \(str\)"),
+        ("graph_opt_level", "1", TypeError, r"graph_opt_level must be an int in \{0, 1, 2\} or 'auto', got '1' \(str\)"),
         ("graph_opt_level", True, TypeError, r"graph_opt_level must be an int .*got True \(bool\)"),
         ("graph_opt_level", 1.5, TypeError, r"graph_opt_level must be an int .*got 1\.5 \(float\)"),
         ("graph_opt_level", 1.0, TypeError, r"graph_opt_level must be an int .*\(float\)"),
-        ("graph_opt_level", 3, ValueError, r"graph_opt_level must be an int in \{0, 1, 2\}, got 3$"),
-        ("graph_opt_level", -1, ValueError, r"graph_opt_level must be an int in \{0, 1, 2\}, got -1$"),
+        ("graph_opt_level", 3, ValueError, r"graph_opt_level must be an int in \{0, 1, 2\} or 'auto', got 3$"),
+        ("graph_opt_level", -1, ValueError, r"graph_opt_level must be an int in \{0, 1, 2\} or 'auto', got -1$"),
         ("max_num_seqs", "8", TypeError, r"max_num_seqs must be an int >= 1, got '8' \(str\)"),
         ("max_num_seqs", 0, ValueError, r"max_num_seqs must be an int >= 1, got 0"),
         ("max_num_seqs", False, TypeError, r"max_num_seqs must be an int >= 1, got False \(bool\)"),

@@ -55,7 +55,7 @@ class _Step:
         self.pad_values = _check_names("pad_values", dict(pad_values or {}), self.params)
         self.config = config
         self.backend = Backend(config, dynamic_dims=self.dynamic_dims, pad_values=self.pad_values)
-        self.compiles = config.graph_opt_level > 0 or config.use_cudagraph
+        self.compiles = config.graph_opt_level != 0 or config.use_cudagraph
         guard_filter = keep_input_guards(self.params) if config.guards == "inputs" else None
         self.backend.guards_filtered = guard_filter is not None
         options = {"guard_filter_fn": guard_filter} if guard_filter is not None else None
@@ -64,7 +64,8 @@ class _Step:
         # on_recompile "warn" / "error" need Dynamo's guards to say what failed, and torch cannot
         # store a trace whose guards were filtered where it guards a module's key order: no
         # stored traces then.
-        if config.graph_opt_level > 0 and config.cache_traces and self.backend.cache.bypass() is None \
+        # With "auto", a graph's runtime is chosen at its first call, after a trace is stored.
+        if config.graph_opt_level in (1, 2) and config.cache_traces and self.backend.cache.bypass() is None \
                 and config.on_recompile == "recompile" and guard_filter is None:
             identity = json.dumps([config.to_json(), self.dynamic_dims, self.pad_values], sort_keys=True)
             self.traces = StoredTraces(fn, self.backend, identity, self._mark_dynamic)

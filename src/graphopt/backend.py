@@ -24,14 +24,14 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx
 
-from . import _compat, cache, executors, modes, recompiles
+from . import _compat, cache, executors, modes, recompiles, tiers
 from ._compat import autotune
 from ._compat import cache as compat_cache
 from ._compat import recompile as compat_recompile
 from ._compat import trace_graph
 from ._compat.names import RECOMPILE_LIMIT
 from .backend_cache import BackendCache, GraphSpec, NotStorable, device_type
-from .config import GraphOptimizationConfig
+from .config import AUTO_LEVEL, GraphOptimizationConfig
 from .config_checks import WEIGHT_COPYING_INDUCTOR_OPTIONS
 from .lowering import lower_to_bindings
 from .passes.manager import PassManager, check_pass_names
@@ -110,7 +110,7 @@ class Backend:
         self._report.capture_sizes = [] if self.config.auto_capture_sizes else list(self.config.cudagraph_capture_sizes)
         self._report.notes += kept
         self.cache = BackendCache(self.config, self._report)
-        if self.config.graph_opt_level == 2 and not torch.cuda.is_available():
+        if self.config.graph_opt_level in (2, AUTO_LEVEL) and not torch.cuda.is_available():
             _compat.check_cpu_isas_early()  # docs/compile-cache.md: 4 s off a cold start
 
     def report(self) -> Report:
@@ -170,19 +170,37 @@ class Backend:
         if compat_recompile.is_recompile():
             self._report.recompiles += 1
             recompiles.on_recompile(self.config.on_recompile, self._report)
-        device = device_type(example_inputs)
-        level = self._level(device)
-        mode = self._cudagraph_mode(level, device)
+        level = self._level(device_type(example_inputs))
+        if level == AUTO_LEVEL:
+            return self._compile_auto(gm, example_inputs), "graph_opt_level='auto' chooses its level at its first call"
+        return self._runtime_at(gm, example_inputs, level)
+
+    def _runtime_at(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], level: int) -> tuple[Callable, Any]:
+        """The runtime of `gm` at `level`: the compiled graph, in device graphs where configured."""
+        mode = self._cudagraph_mode(level, device_type(example_inputs))
         bypass = "level 0 compiles nothing" if level == 0 else self.cache.bypass()
         # The key of the whole graph, for its spec; a bypassed cache is logged per compile, below.
-        key = self.cache.key(gm, list(example_inputs)) if bypass is None else None
-        spec: GraphSpec | str = GraphSpec(key, level, passes=self.cache.pass_uuid()) if key is not None else bypass
+        key = self.cache.key(gm, list(example_inputs), level) if bypass is None else None
+        spec: GraphSpec | str = GraphSpec(key, level, passes=self.cache.pass_uuid(level)) if key is not None else bypass
         if mode == "none":
             return self._compile(gm, example_inputs, level, key), spec
         from . import backend_runtime  # the runtime is imported once a graph has device graphs
 
-        compile_at_level = functools.partial(self._compile, level=level)
-        return backend_runtime.wrap(self, gm, example_inputs, mode, compile_at_level, key, spec)
+        return backend_runtime.wrap(self, gm, example_inputs, mode, functools.partial(self._compile, level=level),
+                                    key, spec)
+
+    def _compile_auto(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        """graph_opt_level="auto": the level the compile cache chose for `gm` before, else
+        both levels, chosen between at the first call (tiers.py)."""
+        key = self.cache.key(gm, list(example_inputs), AUTO_LEVEL)
+        record: dict[str, Any] = {"graph": len(self._report.graphs), **self.cache.load_choice(key)}
+        self._report.level_choices.append(record)
+        if "level" in record:
+            return self._runtime_at(gm, example_inputs, record["level"])[0]
+        runtimes = {level: self._runtime_at(gm, example_inputs, level)[0] for level in tiers.LEVELS}
+        stateful = tiers.stateful_inputs(_compat.input_kinds(gm), example_inputs)
+        return tiers.LevelChoice(runtimes, gm, stateful, record, self._report,
+                                 functools.partial(self.cache.store_choice, key))
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], level: int,
                  key: str | None = None) -> Callable:
@@ -194,7 +212,7 @@ class Backend:
         self._report.graphs.append(record)
         real_inputs = _aot_args(gm, [_compat.concrete(x) for x in example_inputs])
         kinds = ["parameter"] * (len(real_inputs) - len(example_inputs)) + _compat.input_kinds(gm)
-        key = key or self.cache.key(gm, list(example_inputs))
+        key = key or self.cache.key(gm, list(example_inputs), level)
         start = time.perf_counter()
         if level == 1:
             compiled = self._compile_level1(gm, example_inputs, record, real_inputs, kinds, key)
@@ -226,7 +244,7 @@ class Backend:
             if stored is not None:
                 self._restore(stored, record)
                 return _compat.boxed(cache.load_graph(stored["lowered"]))
-            records = self._optimize(aot_gm, record, real_inputs, kinds)
+            records = self._optimize(aot_gm, record, real_inputs, kinds, level=1)
             lowered = lower_to_bindings(aot_gm)
             graph_inputs = len(aot_gm.graph.find_nodes(op="placeholder"))
             dims = compat_cache.aot_wrapper_output_dims(graph_inputs, len(example_inputs), inference)
@@ -246,10 +264,11 @@ class Backend:
         optimized: list[tuple[torch.fx.GraphModule, dict]] = []
 
         def post_grad_pass(graph: torch.fx.Graph) -> None:
-            optimized.append((graph.owning_module, self._optimize(graph.owning_module, record, real_inputs, kinds)))
+            optimized.append((graph.owning_module, self._optimize(graph.owning_module, record, real_inputs, kinds, 2)))
 
         autotune.hide_inductor_storage_warning()
         autotune.hide_cuda_home_warning()
+        uuid = self.cache.pass_uuid(2)
         options = {**inductor_options(device_type(real_inputs), cached=key is not None,
                                       frozen=self.config.freeze_parameters),
                    **self.config.inductor_compile_config}
@@ -257,11 +276,11 @@ class Backend:
         # stored trace can carry it (traces.py).
         with trace_graph.bundled_inductor_cache() if key is not None else contextlib.nullcontext(), \
                 autotune.gemm_choices() as gemms:
-            compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, self.cache.pass_uuid(), options)
+            compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, uuid, options)
             if key is not None and not optimized and stored is None:
                 # Inductor's cache had the code but graphopt's records are gone: compile once more for them.
                 options["force_disable_caches"] = True
-                compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, self.cache.pass_uuid(), options)
+                compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, uuid, options)
         record.gemms = gemms
         if optimized:
             self.cache.store(key, {**optimized[-1][1], "direct": None}, optimized[-1][0])
@@ -270,7 +289,7 @@ class Backend:
         if self.config.freeze_parameters and any(options.get(k) for k in WEIGHT_COPYING_INDUCTOR_OPTIONS):
             # Without Inductor's caches a second compile takes its copies of the weights anew.
             again = functools.partial(_compat.inductor_compile, gm, example_inputs, post_grad_pass,
-                                      self.cache.pass_uuid(), {**options, "force_disable_caches": True})
+                                      uuid, {**options, "force_disable_caches": True})
             compiled = Repackable(compiled, again, optimized, self.graph_modules, self._report)
             self.repackables.append(compiled)
         return compiled
@@ -290,7 +309,8 @@ class Backend:
         elif spec.level == 1 and entry["direct"] is None:
             why = "AOTAutograd's runtime wrapper does more than call its graph"
         elif spec.level == 2:
-            spec.inductor = trace_graph.bundled_inductor(_innermost(runtime))
+            inner = runtime.captured[0].fn if hasattr(runtime, "captured") else runtime  # inside a GraphRunner
+            spec.inductor = trace_graph.bundled_inductor(inner)
             why = None if spec.inductor is not None else "AOTAutograd's cache kept no serializable entry of its code"
         return trace_graph.TraceGraph(None if why else spec, runtime, why=why)
 
@@ -299,7 +319,7 @@ class Backend:
         `spec`, from the compile cache, reported as a cache hit. Raises NotStorable
         when the cache no longer has the graph, or when the passes that made it
         differ from this Backend's (another extra_check, say)."""
-        if spec.passes is None or spec.passes != self.cache.pass_uuid():
+        if spec.passes is None or spec.passes != self.cache.pass_uuid(spec.level):
             raise NotStorable("graphopt's settings or the registered replacements changed since it was stored")
         stored = self.cache.load(spec.key)
         if stored is None or (spec.level == 1 and stored["lowered"] is None):
@@ -320,8 +340,10 @@ class Backend:
 
         return backend_runtime.runner_of(self, compiled, spec.signature, spec.key)
 
-    def _optimize(self, gm: torch.fx.GraphModule, record: GraphRecord, inputs: list, kinds: list[str]) -> dict:
-        records = PassManager(self.config, self._report).optimize(gm, record, inputs, kinds)
+    def _optimize(self, gm: torch.fx.GraphModule, record: GraphRecord, inputs: list, kinds: list[str],
+                  level: int) -> dict:
+        config = self.config if self.config.graph_opt_level == level else self.config.replace(graph_opt_level=level)
+        records = PassManager(config, self._report).optimize(gm, record, inputs, kinds)
         self.graph_modules.append(gm)
         return records
 
@@ -330,12 +352,12 @@ class Backend:
         if graph is not None:
             self.graph_modules.append(graph)
 
-    def _level(self, device: str) -> int:
-        """The level that runs on `device`: level 2 needs a C++ compiler on the CPU."""
+    def _level(self, device: str) -> int | str:
+        """The level that runs on `device`: level 2 (and "auto") needs a C++ compiler on the CPU."""
         if device not in self._levels:
             level = self.config.graph_opt_level
-            if level == 2 and device == "cpu" and not _compat.inductor_available():
-                self._report.fallback("graph_opt_level=2: Inductor found no C++ compiler for CPU code; "
+            if level in (2, AUTO_LEVEL) and device == "cpu" and not _compat.inductor_available():
+                self._report.fallback(f"graph_opt_level={level!r}: Inductor found no C++ compiler for CPU code; "
                                       "running level 1 (install gcc or clang to compile)")
                 level = 1
             self._levels[device] = level
@@ -346,9 +368,10 @@ class Backend:
         if not config.use_cudagraph or config.cudagraph_mode == "none":
             return "none"
         if level == 2 and device == "cpu":
-            self._report.fallback("use_cudagraph with graph_opt_level=2 on CPU: Inductor's C++ kernels "
-                                  "bypass the dispatcher and cannot be recorded on a host graph; the "
-                                  "compiled kernels run directly")
+            if config.graph_opt_level != AUTO_LEVEL:  # with "auto", the level choice's row says what runs
+                self._report.fallback("use_cudagraph with graph_opt_level=2 on CPU: Inductor's C++ kernels "
+                                      "bypass the dispatcher and cannot be recorded on a host graph; the "
+                                      "compiled kernels run directly")
             return "none"
         return config.cudagraph_mode or "auto"
 
@@ -374,7 +397,3 @@ def _aot_args(gm: torch.fx.GraphModule, inputs: list) -> list:
     return [*dict(gm.named_parameters(remove_duplicate=False)).values(),
             *dict(gm.named_buffers(remove_duplicate=False)).values(), *inputs]
 
-
-def _innermost(runtime: Callable) -> Callable:
-    """The compiled graph inside a GraphRunner (or the graph itself)."""
-    return runtime.captured[0].fn if hasattr(runtime, "captured") else runtime

@@ -58,8 +58,9 @@ class BackendCache:
             return str(why)
         return None
 
-    def key(self, gm: torch.fx.GraphModule, inputs: list) -> str | None:
-        """The compile cache's key for `gm`, or None where the cache is not used."""
+    def key(self, gm: torch.fx.GraphModule, inputs: list, level: int | str | None = None) -> str | None:
+        """The compile cache's key for `gm` at `level` (None: the config's), or None
+        where the cache is not used."""
         bypass = self.bypass()
         if bypass is not None:
             if self.disk is not None:
@@ -68,7 +69,7 @@ class BackendCache:
         device = device_type(inputs)
         # Dynamo guards on these, and AOTAutograd traces differently under them.
         modes = f"grad={torch.is_grad_enabled()} autocast={torch.is_autocast_enabled(device)}"
-        return cache.cache_key(self.pass_uuid(), cache.describe_graph(gm, inputs), device, modes)
+        return cache.cache_key(self.pass_uuid(level), cache.describe_graph(gm, inputs), device, modes)
 
     def load(self, key: str | None) -> dict | None:
         return None if key is None else self.disk.load(key)
@@ -82,13 +83,25 @@ class BackendCache:
         """The stored records into `record`; the stored graph, if any."""
         return self.disk.restore(stored, record)
 
-    def pass_uuid(self) -> str:
+    def store_choice(self, key: str | None, choice: dict) -> None:
+        """graph_opt_level="auto": the level chosen for the graph of `key`, with its figures."""
+        if key is not None and choice["level"] in (1, 2):
+            self.disk.store(key, {k: v for k, v in choice.items() if k != "graph"})
+
+    def load_choice(self, key: str | None) -> dict:
+        """The choice `store_choice` stored for `key` (marked `cached`), or {}."""
+        stored = self.load(key)
+        if not isinstance(stored, dict) or stored.get("level") not in (1, 2):
+            return {}
+        return {**stored, "cached": True}
+
+    def pass_uuid(self, level: int | str | None = None) -> str:
         """What, besides the graph, decides what the passes make of it: the config
         fields they read and the user's patterns (graphopt and torch's versions are in
         every cache key). Inductor's FX graph cache keys on it too; "" where the
         patterns cannot be keyed, which Inductor takes as a pass it must not cache."""
         config = self.config
-        fields = {"graph_opt_level": config.graph_opt_level, "disabled_passes": sorted(config.disabled_passes),
+        fields = {"graph_opt_level": config.graph_opt_level if level is None else level, "disabled_passes": sorted(config.disabled_passes),
                   "freeze_parameters": config.freeze_parameters,
                   "inductor_compile_config": config.inductor_compile_config}
         try:

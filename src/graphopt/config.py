@@ -46,6 +46,9 @@ def tolerance(dtype: torch.dtype) -> tuple[float, float]:
 
 
 GRAPH_OPT_LEVELS: Final = (0, 1, 2)
+# graph_opt_level="auto": each graph compiled at levels 1 and 2, both timed on its first
+# call's inputs, the faster kept (tiers.py).
+AUTO_LEVEL: Final = "auto"
 CAPTURE_ERROR_MODES: Final = ("global", "thread_local", "relaxed")
 CUDAGRAPH_MODES: Final = ("none", "piecewise", "full")
 # cudagraph_capture_sizes="auto": sizes chosen from traffic (runtime/capture_plan.py).
@@ -89,7 +92,7 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
 class GraphOptimizationConfig:
     """How graphopt optimizes and replays a model. See DESIGN.md for the vocabulary."""
 
-    graph_opt_level: int = 1
+    graph_opt_level: int | str = 1
     use_cudagraph: bool = True
     # Resolved in __post_init__: a sorted list without duplicates afterwards, or "auto".
     cudagraph_capture_sizes: list[int] | str | None = None
@@ -135,7 +138,8 @@ class GraphOptimizationConfig:
     guards: str = "all"
 
     def __post_init__(self) -> None:
-        check_int("graph_opt_level", self.graph_opt_level, choices=GRAPH_OPT_LEVELS)
+        if self.graph_opt_level != AUTO_LEVEL:
+            check_int("graph_opt_level", self.graph_opt_level, choices=GRAPH_OPT_LEVELS, or_else=AUTO_LEVEL)
         check_bool("use_cudagraph", self.use_cudagraph)
         # max_num_seqs is checked first because the default sizes are derived from it.
         check_int("max_num_seqs", self.max_num_seqs, minimum=1)

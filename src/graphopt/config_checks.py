@@ -14,8 +14,12 @@ def describe(value: object) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
-def check_int(key: str, value: object, *, minimum: int | None = None, choices: tuple[int, ...] = ()) -> None:
+def check_int(key: str, value: object, *, minimum: int | None = None, choices: tuple[int, ...] = (),
+              or_else: str | None = None) -> None:
+    """`or_else`: a word also accepted in place of an int, named in the error."""
     accepted = f"an int in {{{', '.join(map(str, choices))}}}" if choices else f"an int >= {minimum}"
+    if or_else is not None:
+        accepted += f" or {or_else!r}"
     # bool is a subclass of int, but True is never a meaningful level or count.
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{key} must be {accepted}, got {describe(value)}")

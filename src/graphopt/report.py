@@ -143,7 +143,7 @@ class BudgetRefusal:
 
 @dataclass
 class Report:
-    level: int
+    level: int | str  # graph_opt_level: 0, 1, 2 or "auto"
     graphs: list[GraphRecord] = field(default_factory=list)
     passes: list[PassRecord] = field(default_factory=list)
     fallbacks: Counter = field(default_factory=Counter)
@@ -174,6 +174,9 @@ class Report:
     # The `executors` choice per graph: {"graph", "executor" (graphopt or the engine that runs it),
     # "reason" (why it did not qualify, or what was timed), "seconds" (median per call, each timed)}.
     executors: list[dict[str, Any]] = field(default_factory=list)
+    # graph_opt_level="auto", per Dynamo graph: {"graph" (its first GraphRecord), "level" chosen (None
+    # until its first call), "seconds" (median per call by level), "reason", "cached" (chosen before)}.
+    level_choices: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # decisions made for the user: a key kept over a mode's
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -236,6 +239,7 @@ class Report:
             "repacks": self.repacks,
             "memory": [m.to_dict() for m in self.memory],
             "executors": [dict(e) for e in self.executors],
+            "level_choices": [dict(c) for c in self.level_choices],
             "notes": list(self.notes),
         }
 
@@ -266,6 +270,7 @@ class Report:
                          + f", {self.traces_used} stored traces used, {self.traces_stored} stored")
         if self.repacks:
             lines.append(f"  refresh(): {self.repacks} graph(s) compiled again for Inductor's packed weights")
+        lines.extend(_choice_line(c) for c in self.level_choices)
         for e in self.executors:
             timed = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in e["seconds"].items())
             lines.append(f"  executor of graph {e['graph']}: {e['executor']} ({timed or e['reason']})")
@@ -292,6 +297,15 @@ class Report:
             lines.extend(f"    {n} x {reason}" for reason, n in self.fallbacks.items())
         lines.extend(f"  {n} x recompiled: {reason}" for reason, n in self.recompile_reasons.items())
         return "\n".join(lines)
+
+
+def _choice_line(choice: dict[str, Any]) -> str:
+    head = f"  level of graph {choice['graph']}: "
+    if "level" not in choice:
+        return head + "chosen at its first call"
+    timed = ", ".join(f"level {k} {v * 1e6:.0f} us" for k, v in choice["seconds"].items() if v)
+    cached = ", chosen in an earlier process" if choice.get("cached") else ""
+    return head + f"{choice['level']} ({choice['reason']}{'; ' + timed if timed else ''}{cached})"
 
 
 def _plan_lines(plan: PlanRecord) -> str:

@@ -1,0 +1,155 @@
+"""graph_opt_level="auto": each graph runs the level that is faster on it, by measurement.
+
+    Dynamo graph -> level 1 runtime (FX code, device graphs as configured) \\  at the first call: each checked
+                 -> level 2 runtime (Inductor's kernels)                   /  against eager, then timed on
+                                                                              that call's inputs, interleaved;
+                                                                              the faster serves every call after
+
+Level 1 wins where a step is bound by launches (a small decode step replayed as one
+host graph), level 2 where it is bound by compute (convolutions, large GEMMs, long
+sequences): no rule of thumb picks right on every model, the clock does. The choice,
+with its figures, goes into the report and the compile cache: a later process compiles
+only the chosen level.
+
+The timed runs repeat the first call on its own inputs, so whatever the graph writes in
+place (a KV cache) is put back before each run and before the call itself: the caller
+sees one call's effect.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .config import tolerance
+from .report import Report, first_line
+
+LEVELS = (1, 2)
+# Level 2 must beat level 1 by this much: level 1 compiles in seconds and replays as one
+# device graph, so a tie is not worth Inductor's compile in every later process.
+MARGIN = 0.97
+ROUNDS, ROUND_SECONDS = 7, 0.02
+
+
+class LevelChoice:
+    """What Dynamo runs for a graph compiled at both levels: at its first call, the
+    levels whose outputs equal eager's are timed and the faster runs from then on.
+
+    `clock` is read around each timed run (a test gives a fake one); `chosen` is called
+    once with the finished record (the compile cache stores it)."""
+
+    def __init__(self, runtimes: dict[int, Callable], eager: Callable, stateful: list[int], record: dict[str, Any],
+                 report: Report, chosen: Callable[[dict[str, Any]], None],
+                 clock: Callable[[], float] = time.perf_counter):
+        self.runtimes, self.eager, self.stateful = runtimes, eager, stateful
+        self.record, self.report, self.chosen, self.clock = record, report, chosen, clock
+        self.run: Callable = self._first
+
+    def __call__(self, *args: Any) -> Any:
+        return self.run(*args)
+
+    def _first(self, *args: Any) -> Any:
+        state = _State([args[i] for i in self.stateful])
+        with torch.no_grad():
+            expected = _outputs(self.eager(*args))
+            agreeing = {}
+            for level, runtime in self.runtimes.items():
+                state.restore()
+                why = _disagreement(runtime, args, expected)
+                if why is None:
+                    agreeing[level] = runtime
+                else:
+                    self.report.fallback(f"graph_opt_level='auto': level {level} of graph {self.record['graph']} "
+                                         f"{why}; it is not a candidate")
+            seconds = time_levels(agreeing, args, state, self.clock)
+        level = pick(seconds) if seconds else 0
+        self.record.update(level=level, seconds={str(k): round(v, 7) for k, v in seconds.items()},
+                           reason=_reason(seconds, level))
+        self.chosen(self.record)
+        state.restore()
+        self.run = self.runtimes.get(level, self.eager)
+        self.runtimes = {}  # the other level's graphs and device graphs are freed
+        return self.run(*args)
+
+
+def pick(seconds: dict[int, float]) -> int:
+    """The level with the smallest median seconds; level 2 only by more than MARGIN."""
+    return min(seconds, key=lambda level: seconds[level] * (1.0 if level == 1 else 1.0 / MARGIN))
+
+
+def time_levels(runtimes: dict[int, Callable], args: Sequence[Any], state: _State,
+                clock: Callable[[], float]) -> dict[int, float]:
+    """Each runtime's median seconds per call over ROUNDS interleaved rounds of at least
+    ROUND_SECONDS each (the machine's load falls on all alike), state restored before
+    every run and only the run itself timed."""
+    if len(runtimes) < 2:  # nothing to choose between: no need to time
+        return {level: 0.0 for level in runtimes}
+    per_call: dict[int, list[float]] = {level: [] for level in runtimes}
+    for runtime in runtimes.values():  # warm-up: captures and first-call costs are not the steady state
+        state.restore()
+        runtime(*args)
+    for _ in range(ROUNDS):
+        for level, runtime in runtimes.items():
+            spent, calls = 0.0, 0
+            while spent < ROUND_SECONDS or calls < 2:
+                state.restore()
+                start = clock()
+                runtime(*args)
+                spent += clock() - start
+                calls += 1
+            per_call[level].append(spent / calls)
+    return {level: statistics.median(times) for level, times in per_call.items()}
+
+
+def stateful_inputs(kinds: Sequence[str], example_inputs: Sequence[Any]) -> list[int]:
+    """The inputs a timed run may write and must get back: every tensor but a parameter."""
+    return [i for i, (kind, x) in enumerate(zip(kinds, example_inputs))
+            if isinstance(x, torch.Tensor) and kind != "parameter"]
+
+
+def _reason(seconds: dict[int, float], level: int) -> str:
+    if not seconds:
+        return "no level's outputs equal eager's: the graph runs eagerly"
+    if len(seconds) == 1:
+        return f"level {level} is the only level whose outputs equal eager's"
+    other = next(k for k in seconds if k != level)
+    return f"{seconds[other] / seconds[level]:.2f}x level {other} on its first call's inputs"
+
+
+class _State:
+    """Copies of the tensors a run may write, put back on `restore()`."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = tensors
+        self.saved = [t.detach().clone() for t in tensors]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for tensor, saved in zip(self.tensors, self.saved):
+                tensor.copy_(saved)
+
+
+def _outputs(result: Any) -> list[Any]:
+    return list(result) if isinstance(result, (list, tuple)) else [result]
+
+
+def _disagreement(runtime: Callable, args: Sequence[Any], expected: list[Any]) -> str | None:
+    """Why `runtime` cannot serve (it fails, or an output differs from eager's beyond
+    config.py's tolerances), or None. What it writes is not compared: padded rows may
+    write where eager does not (a scratch cache slot)."""
+    try:
+        got = _outputs(runtime(*args))
+    except Exception as error:  # noqa: BLE001 - a level that fails leaves the other serving
+        return f"failed on its first call ({type(error).__name__}: {first_line(error)[:200]})"
+    if len(got) != len(expected):
+        return f"returned {len(got)} values where eager returns {len(expected)}"
+    for i, (a, b) in enumerate(zip(got, expected)):
+        if not isinstance(b, torch.Tensor):
+            continue
+        atol, rtol = tolerance(b.dtype)
+        if a.shape != b.shape or a.dtype != b.dtype or not torch.allclose(a, b, atol=atol, rtol=rtol, equal_nan=True):
+            return f"gave output {i} unequal to eager's beyond config.py's tolerances"
+    return None

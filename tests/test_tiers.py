@@ -1,0 +1,140 @@
+"""graph_opt_level="auto": each graph's level chosen by timing both on its first call."""
+
+import pytest
+import torch
+
+import graphopt
+from graphopt import tiers
+from graphopt.config import tolerance
+from graphopt.report import Report
+
+
+class FakeClock:
+    """Time that passes only when a fake runtime says it ran."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fake_runtime(clock: FakeClock, seconds: float, state: torch.Tensor, result=None, error=None):
+    """A runtime that takes `seconds` of fake time, adds 1 to `state` as a KV-cache write
+    would, and returns twice its input (or `result`, or raises `error`)."""
+
+    def run(x, state_arg):
+        clock.now += seconds
+        state_arg.add_(1)
+        if error is not None:
+            raise error
+        return (x * 2 if result is None else result,)
+
+    return run
+
+
+def choice_of(costs: dict[int, float]):
+    """A LevelChoice between fake runtimes of the given per-call costs; (choice, state,
+    report, what `chosen` received)."""
+    clock, state, report, received = FakeClock(), torch.zeros(3), Report("auto"), []
+    runtimes = {level: fake_runtime(clock, cost, state) for level, cost in costs.items()}
+
+    def eager(x, state_arg):
+        state_arg.add_(1)
+        return (x * 2,)
+
+    record = {"graph": 0}
+    choice = tiers.LevelChoice(runtimes, eager, [1], record, report, received.append, clock=clock)
+    return choice, state, report, received
+
+
+@pytest.mark.parametrize("costs, level", [
+    ({1: 3e-3, 2: 5e-3}, 1),
+    ({1: 5e-3, 2: 3e-3}, 2),
+    ({1: 1.00e-3, 2: 0.99e-3}, 1),   # within MARGIN: a tie goes to level 1
+    ({1: 1.00e-3, 2: 0.90e-3}, 2),
+])
+def test_the_faster_level_serves_by_the_clock(costs, level):
+    choice, state, report, received = choice_of(costs)
+    x = torch.arange(3.0)
+    out = choice(x, state)
+    assert torch.equal(out[0], x * 2)
+    # Every timed run was undone: the caller sees one call's write, as eager's.
+    assert torch.equal(state, torch.ones(3))
+    assert len(received) == 1 and received[0]["level"] == level
+    assert received[0]["seconds"] == {"1": pytest.approx(costs[1]), "2": pytest.approx(costs[2])}
+    other = 3 - level
+    assert received[0]["reason"].startswith(f"{costs[other] / costs[level]:.2f}x level {other}")
+    # Later calls run the chosen level only, once each.
+    choice(x, state)
+    assert torch.equal(state, torch.full((3,), 2.0))
+    assert choice.run is not choice._first
+
+
+def test_pick_is_deterministic_given_the_timings():
+    assert tiers.pick({1: 1.0, 2: 0.98}) == 1
+    assert tiers.pick({1: 1.0, 2: 0.96}) == 2
+    assert tiers.pick({2: 0.5}) == 2
+
+
+def test_a_level_that_fails_leaves_the_other_serving_and_says_why():
+    clock = FakeClock()
+    broken = fake_runtime(clock, 1e-3, torch.zeros(3), error=RuntimeError("boom"))
+    choice, state, report, received = choice_of({1: 2e-3, 2: 1e-3})
+    choice.runtimes[2] = broken
+    out = choice(torch.ones(3), state)
+    assert torch.equal(out[0], torch.full((3,), 2.0))
+    assert received[0]["level"] == 1
+    assert received[0]["reason"] == "level 1 is the only level whose outputs equal eager's"
+    assert report.fallbacks == {"graph_opt_level='auto': level 2 of graph 0 failed on its first call "
+                                "(RuntimeError: boom); it is not a candidate": 1}
+
+
+def test_a_level_whose_outputs_differ_from_eager_is_not_a_candidate():
+    clock = FakeClock()
+    wrong = fake_runtime(clock, 1e-4, torch.zeros(3), result=torch.zeros(3))
+    choice, state, report, received = choice_of({1: 2e-3, 2: 1e-3})
+    choice.runtimes[2] = wrong  # the faster one is wrong: never chosen
+    choice(torch.ones(3), state)
+    assert received[0]["level"] == 1
+    assert list(report.fallbacks) == ["graph_opt_level='auto': level 2 of graph 0 gave output 0 unequal to "
+                                      "eager's beyond config.py's tolerances; it is not a candidate"]
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x))).softmax(-1)
+
+
+def test_auto_chooses_a_level_and_a_later_process_compiles_only_that_one(tmp_path):
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(4, 32)
+    config = graphopt.GraphOptimizationConfig(graph_opt_level="auto", cache_dir=str(tmp_path), max_num_seqs=4)
+    with torch.no_grad():
+        expected = model(x)
+        first = graphopt.optimize(model, config)
+        atol, rtol = tolerance(torch.float32)
+        torch.testing.assert_close(first(x), expected, atol=atol, rtol=rtol)
+        torch.testing.assert_close(first(x), expected, atol=atol, rtol=rtol)
+        report = first.report()
+        assert len(report.graphs) == 2  # one graph, compiled at both levels
+        [choice] = report.level_choices
+        assert choice["level"] in (1, 2) and set(choice["seconds"]) == {"1", "2"}
+        assert f"level of graph 0: {choice['level']} (" in str(report)
+
+        later = graphopt.optimize(model, config)
+        torch.testing.assert_close(later(x), expected, atol=atol, rtol=rtol)
+    [again] = later.report().level_choices
+    assert again["cached"] and again["level"] == choice["level"]
+    assert len(later.report().graphs) == 1
+    assert "chosen in an earlier process" in str(later.report())
+
+
+def test_auto_is_a_level_the_config_accepts():
+    assert graphopt.GraphOptimizationConfig(graph_opt_level="auto").graph_opt_level == "auto"
+    with pytest.raises(TypeError, match=r"graph_opt_level must be an int in \{0, 1, 2\} or 'auto', got 'fast' \(str\)"):
+        graphopt.GraphOptimizationConfig(graph_opt_level="fast")
