@@ -1,6 +1,7 @@
 """The decode step of one Llama-style decoder written four ways (tests/decoder_spellings.py),
 graphopt at levels 1 and 2 with and without canonicalization, against torch.compile's
-default: what matching the math instead of one spelling is worth.
+default: what matching the math instead of one spelling is worth. "auto" is
+`graph_opt_level="auto"` (each graph's level chosen by timing both at its first call).
 
 Each spelling runs in a process of its own (they share `Spelling.forward`, and so
 Dynamo's cache); in it every variant has its own copy of the model (the same
@@ -44,9 +45,11 @@ def _variants(name: str, batches: list[int]) -> dict:
             disabled_passes=[] if canonical else list(canonical_passes()))
         return graphopt.optimize(model(), config)
 
+    auto = graphopt.GraphOptimizationConfig(graph_opt_level="auto", cudagraph_capture_sizes=batches, cache_dir=None)
     return {"eager": model(), "torch.compile": torch.compile(model()),
             "L1 before": graphopt_step(1, False), "L1 after": graphopt_step(1, True),
-            "L2 before": graphopt_step(2, False), "L2 after": graphopt_step(2, True)}
+            "L2 before": graphopt_step(2, False), "L2 after": graphopt_step(2, True),
+            "auto": graphopt.optimize(model(), auto)}
 
 
 def _check(variants: dict, batches: list[int]) -> None:
@@ -72,7 +75,8 @@ def run_one(name: str, batches: list[int], rounds: int, steps: int) -> None:
         print(f"| {name} | {batch} | " + " | ".join(row) + " |", flush=True)
     fused = {label: [g.fused_ops.get("decode_attention", 0) for g in step.report().graphs]
              for label, step in variants.items() if hasattr(step, "report")}
-    print(f"<!-- {name}: decode_attention per graph {fused} -->", flush=True)
+    chosen = [(c["graph"], c.get("level"), c.get("reason")) for c in variants["auto"].report().level_choices]
+    print(f"<!-- {name}: decode_attention per graph {fused}; auto chose {chosen} -->", flush=True)
 
 
 def main() -> None:
@@ -89,8 +93,8 @@ def main() -> None:
         run_one(args.spellings[0], args.batches, args.rounds, args.steps)
         return
     print("µs per decode step, median of interleaved rounds (speed against torch.compile's default)\n")
-    print("| spelling | batch | eager | torch.compile | L1 before | L1 after | L2 before | L2 after |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    print("| spelling | batch | eager | torch.compile | L1 before | L1 after | L2 before | L2 after | auto |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     for name in args.spellings:
         subprocess.run([sys.executable, __file__, "--one", "--spellings", name, "--batches", *map(str, args.batches),
                         "--rounds", str(args.rounds), "--steps", str(args.steps), "--threads", str(args.threads)],
