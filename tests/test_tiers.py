@@ -138,3 +138,19 @@ def test_auto_is_a_level_the_config_accepts():
     assert graphopt.GraphOptimizationConfig(graph_opt_level="auto").graph_opt_level == "auto"
     with pytest.raises(TypeError, match=r"graph_opt_level must be an int in \{0, 1, 2\} or 'auto', got 'fast' \(str\)"):
         graphopt.GraphOptimizationConfig(graph_opt_level="fast")
+
+
+def test_a_level_2_that_fails_to_compile_leaves_level_1_serving_and_says_why():
+    report, record, level1 = Report("auto"), {"graph": 3}, (lambda x: (x,))
+
+    def compile_at(level):
+        if level == 2:
+            raise RuntimeError("no C++ compiler\nand more")
+        return level1
+
+    runtime = tiers.choose(compile_at, level1, [], record, report, chosen=pytest.fail)
+    assert runtime is level1
+    assert record == {"graph": 3, "level": 1, "seconds": {},
+                      "reason": "level 2 failed to compile (RuntimeError: no C++ compiler)"}
+    assert list(report.fallbacks) == ["graph_opt_level='auto': level 2 failed to compile (RuntimeError: no C++ "
+                                      "compiler); level 1 serves graph 3"]

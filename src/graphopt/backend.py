@@ -197,10 +197,9 @@ class Backend:
         self._report.level_choices.append(record)
         if "level" in record:
             return self._runtime_at(gm, example_inputs, record["level"])[0]
-        runtimes = {level: self._runtime_at(gm, example_inputs, level)[0] for level in tiers.LEVELS}
         stateful = tiers.stateful_inputs(_compat.input_kinds(gm), example_inputs)
-        return tiers.LevelChoice(runtimes, gm, stateful, record, self._report,
-                                 functools.partial(self.cache.store_choice, key))
+        return tiers.choose(lambda level: self._runtime_at(gm, example_inputs, level)[0], gm, stateful, record,
+                            self._report, functools.partial(self.cache.store_choice, key))
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], level: int,
                  key: str | None = None) -> Callable:

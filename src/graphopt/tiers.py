@@ -75,6 +75,22 @@ class LevelChoice:
         return self.run(*args)
 
 
+def choose(compile_at: Callable[[int], Callable], eager: Callable, stateful: list[int], record: dict[str, Any],
+           report: Report, chosen: Callable[[dict[str, Any]], None]) -> Callable:
+    """One graph compiled at each level (`compile_at(level)`), as a LevelChoice. Level 1
+    must compile (every graph gets it without "auto"); a level 2 that fails to compile
+    leaves level 1 serving, and says why."""
+    runtimes = {1: compile_at(1)}
+    try:
+        runtimes[2] = compile_at(2)
+    except Exception as error:  # noqa: BLE001 - Inductor failing on a graph must not fail the model
+        why = f"level 2 failed to compile ({type(error).__name__}: {first_line(error)[:200]})"
+        report.fallback(f"graph_opt_level='auto': {why}; level 1 serves graph {record['graph']}")
+        record.update(level=1, seconds={}, reason=why)
+        return runtimes[1]
+    return LevelChoice(runtimes, eager, stateful, record, report, chosen)
+
+
 def pick(seconds: dict[int, float]) -> int:
     """The level with the smallest median seconds; level 2 only by more than MARGIN."""
     return min(seconds, key=lambda level: seconds[level] * (1.0 if level == 1 else 1.0 / MARGIN))
