@@ -154,3 +154,22 @@ def test_a_level_2_that_fails_to_compile_leaves_level_1_serving_and_says_why():
                       "reason": "level 2 failed to compile (RuntimeError: no C++ compiler)"}
     assert list(report.fallbacks) == ["graph_opt_level='auto': level 2 failed to compile (RuntimeError: no C++ "
                                       "compiler); level 1 serves graph 3"]
+
+
+def test_a_graph_that_fails_when_timed_keeps_level_1_and_says_why():
+    choice, state, report, received = choice_of({1: 2e-3, 2: 1e-3})
+    runs = []
+
+    def fails_when_repeated(x, state_arg):
+        runs.append(1)
+        if len(runs) > 1:  # the check's run passes; a repeat, as a counter past its end would, fails
+            raise IndexError("index 9 is out of bounds")
+        return (x * 2,)
+
+    choice.runtimes[2] = fails_when_repeated
+    out = choice(torch.ones(3), state)
+    assert torch.equal(out[0], torch.full((3,), 2.0)) and torch.equal(state, torch.ones(3))
+    assert received[0]["level"] == 1
+    assert received[0]["reason"] == "timing its levels failed (IndexError: index 9 is out of bounds)"
+    assert list(report.fallbacks) == ["graph_opt_level='auto': graph 0: timing its levels failed "
+                                      "(IndexError: index 9 is out of bounds)"]

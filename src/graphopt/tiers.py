@@ -64,10 +64,16 @@ class LevelChoice:
                 else:
                     self.report.fallback(f"graph_opt_level='auto': level {level} of graph {self.record['graph']} "
                                          f"{why}; it is not a candidate")
-            seconds = time_levels(agreeing, args, state, self.clock)
+            try:
+                seconds = time_levels(agreeing, args, state, self.clock)
+                reason = None
+            except Exception as error:  # noqa: BLE001 - a run that passed its check may still fail when repeated
+                reason = f"timing its levels failed ({type(error).__name__}: {first_line(error)[:200]})"
+                self.report.fallback(f"graph_opt_level='auto': graph {self.record['graph']}: {reason}")
+                seconds = {level: 0.0 for level in agreeing if level == min(agreeing)}
         level = pick(seconds) if seconds else 0
         self.record.update(level=level, seconds={str(k): round(v, 7) for k, v in seconds.items()},
-                           reason=_reason(seconds, level))
+                           reason=reason or _reason(seconds, level))
         self.chosen(self.record)
         state.restore()
         self.run = self.runtimes.get(level, self.eager)
