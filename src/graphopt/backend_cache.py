@@ -90,6 +90,7 @@ class BackendCache:
         config = self.config
         fields = {"graph_opt_level": config.graph_opt_level, "disabled_passes": sorted(config.disabled_passes),
                   "freeze_parameters": config.freeze_parameters,
+                  "compute_dtype": config.compute_dtype, "precision_tolerance": config.precision_tolerance,
                   "inductor_compile_config": config.inductor_compile_config}
         try:
             patterns = USER_PATTERNS.fingerprint()

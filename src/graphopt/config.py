@@ -22,8 +22,8 @@ from typing import Any, Final
 import torch
 
 from .config_checks import (aten_op_names, capture_sizes, check_bool, check_budget, check_choice,
-                            check_dump_dir, check_int, describe, executors, inductor_compile_config,
-                            op_names, pass_names)
+                            check_dump_dir, check_int, check_tolerance, describe, executors,
+                            inductor_compile_config, op_names, pass_names)
 
 # Tolerances for comparing an optimized graph's outputs with eager's, by dtype: (atol, rtol).
 TOLERANCES: Final[dict[torch.dtype, tuple[float, float]]] = {
@@ -52,6 +52,7 @@ CUDAGRAPH_MODES: Final = ("none", "piecewise", "full")
 AUTO_CAPTURE_SIZES: Final = "auto"
 ON_RECOMPILE: Final = ("recompile", "warn", "error")
 GUARDS: Final = ("all", "inputs")
+COMPUTE_DTYPES: Final = ("bfloat16",)
 
 
 CACHE_DIR_ENV: Final = "GRAPHOPT_CACHE_DIR"
@@ -133,6 +134,12 @@ class GraphOptimizationConfig:
     # Which of Dynamo's guards a call checks (guards.py): "all", or "inputs" where the
     # module's Python state is trusted not to change after the first call.
     guards: str = "all"
+    # The dtype matmuls, convolutions and attention compute in (passes/precision.py); None:
+    # the model's own. Inputs, outputs, norms' statistics and softmax keep the model's dtype.
+    compute_dtype: str | None = None
+    # With compute_dtype: the largest error allowed, as a fraction of the output's largest
+    # magnitude, measured at compile time; past it the graph keeps full precision. None: no bound.
+    precision_tolerance: float | None = 0.05
 
     def __post_init__(self) -> None:
         check_int("graph_opt_level", self.graph_opt_level, choices=GRAPH_OPT_LEVELS)
@@ -147,6 +154,8 @@ class GraphOptimizationConfig:
         check_budget(self.graph_memory_budget)
         check_choice("on_recompile", self.on_recompile, ON_RECOMPILE)
         check_choice("guards", self.guards, GUARDS)
+        check_choice("compute_dtype", self.compute_dtype, COMPUTE_DTYPES, optional=True)
+        check_tolerance("precision_tolerance", self.precision_tolerance)
         check_int("cudagraph_num_of_warmups", self.cudagraph_num_of_warmups, minimum=0)
         check_choice("cudagraph_mode", self.cudagraph_mode, CUDAGRAPH_MODES, optional=True)
         self.cudagraph_splitting_ops = aten_op_names(self.cudagraph_splitting_ops)
