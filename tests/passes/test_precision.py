@@ -214,3 +214,11 @@ def test_the_keys_come_from_json():
     cfg = graphopt.GraphOptimizationConfig.from_json('{"compute_dtype": "bfloat16", "precision_tolerance": 0.01}')
     assert (cfg.compute_dtype, cfg.precision_tolerance) == ("bfloat16", 0.01)
     assert graphopt.GraphOptimizationConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_the_docs_show_the_table():
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "precision.md").read_text()
+    for op, (how, reason) in PRECISION_TABLE.items():
+        assert f"| `{op}` | {'bfloat16' if how == 'lower' else 'float32'} | {reason} |" in text
