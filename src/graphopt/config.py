@@ -53,6 +53,7 @@ AUTO_CAPTURE_SIZES: Final = "auto"
 ON_RECOMPILE: Final = ("recompile", "warn", "error")
 GUARDS: Final = ("all", "inputs")
 COMPUTE_DTYPES: Final = ("bfloat16",)
+WEIGHT_QUANTIZATIONS: Final = ("int8",)
 
 
 CACHE_DIR_ENV: Final = "GRAPHOPT_CACHE_DIR"
@@ -140,6 +141,8 @@ class GraphOptimizationConfig:
     # With compute_dtype: the largest error allowed, as a fraction of the output's largest
     # magnitude, measured at compile time; past it the graph keeps full precision. None: no bound.
     precision_tolerance: float | None = 0.05
+    # "int8": linears' frozen weights in int8, a scale per output channel (passes/quantize.py), level 1.
+    weight_quantization: str | None = None
 
     def __post_init__(self) -> None:
         check_int("graph_opt_level", self.graph_opt_level, choices=GRAPH_OPT_LEVELS)
@@ -156,6 +159,10 @@ class GraphOptimizationConfig:
         check_choice("guards", self.guards, GUARDS)
         check_choice("compute_dtype", self.compute_dtype, COMPUTE_DTYPES, optional=True)
         check_tolerance("precision_tolerance", self.precision_tolerance)
+        check_choice("weight_quantization", self.weight_quantization, WEIGHT_QUANTIZATIONS, optional=True)
+        if self.weight_quantization is not None and (not self.freeze_parameters or self.graph_opt_level != 1):
+            raise ValueError(f"weight_quantization={self.weight_quantization!r} quantizes frozen weights at compile "
+                             "time, at level 1: it needs freeze_parameters=True and graph_opt_level=1")
         check_int("cudagraph_num_of_warmups", self.cudagraph_num_of_warmups, minimum=0)
         check_choice("cudagraph_mode", self.cudagraph_mode, CUDAGRAPH_MODES, optional=True)
         self.cudagraph_splitting_ops = aten_op_names(self.cudagraph_splitting_ops)

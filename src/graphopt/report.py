@@ -300,7 +300,7 @@ class Report:
 
 def _precision_line(error: dict[str, Any]) -> str:
     kept = "kept" if not error["fell_back"] else f"over precision_tolerance={error['tolerance']:g}: full precision"
-    return (f"    {error['dtype']} compute: max abs error {error['max_abs_error']:.3g}, mean "
+    return (f"    lower precision ({error['dtype']}): max abs error {error['max_abs_error']:.3g}, mean "
             f"{error['mean_abs_error']:.3g}, {error['relative_error']:.3g} of the output's magnitude ({kept})")
 
 

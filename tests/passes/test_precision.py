@@ -91,7 +91,7 @@ def test_the_report_gives_the_measured_error():
     assert 0 < error["mean_abs_error"] < error["max_abs_error"]
     assert error["relative_error"] == pytest.approx(error["max_abs_error"] / expected.abs().max().item(), rel=0.01)
     assert opt.report().to_dict()["graphs"][0]["precision"] == error
-    assert re.search(r"bfloat16 compute: max abs error \S+, mean \S+, \S+ of the output's magnitude \(kept\)",
+    assert re.search(r"lower precision \(bfloat16\): max abs error \S+, mean \S+, \S+ of the output's magnitude \(kept\)",
                      str(opt.report()))
 
 
@@ -105,9 +105,9 @@ def test_a_tight_tolerance_keeps_full_precision_and_says_why():
     (record,) = opt.report().graphs
     assert record.precision["fell_back"] and record.precision["relative_error"] > 1e-9
     (reason,) = unexpected_fallbacks(opt.report())
-    assert re.fullmatch(r"compute_dtype='bfloat16': the graph's error in lower precision, max abs \S+ \(mean \S+\), "
-                        r"is \S+ of its output's largest magnitude, over precision_tolerance=1e-09; the graph "
-                        r"computes at full precision \(raise precision_tolerance to accept the error\)", reason)
+    assert re.fullmatch(r"lower_precision \(bfloat16\): the graph's error against full precision, max abs \S+ "
+                        r"\(mean \S+\), is \S+ of its output's largest magnitude, over precision_tolerance=1e-09; "
+                        r"the pass is undone for this graph \(raise precision_tolerance to accept the error\)", reason)
     assert f"max abs {record.precision['max_abs_error']:.3g}" in reason
     assert "over precision_tolerance=1e-09: full precision" in str(opt.report())
 
@@ -196,7 +196,84 @@ def test_every_lowered_op_has_a_reason():
     assert {how for how, _ in PRECISION_TABLE.values()} == {"lower", "float32"}
 
 
+def quantized(model, **config):
+    return graphopt.optimize(model, graphopt.GraphOptimizationConfig(
+        use_cudagraph=False, freeze_parameters=True, weight_quantization="int8", **config))
+
+
+def test_int8_weights_run_on_the_int8_kernel_with_the_error_reported():
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(8, 64)
+    opt = quantized(model)
+    with torch.no_grad():
+        out, expected = opt(x), model(x)
+    assert_within_bf16(out, expected)
+    (gm,) = opt.graphs()
+    kernels = [n for n in gm.graph.nodes if n.target is aten._weight_int8pack_mm.default]
+    assert len(kernels) == 2 and not any(n.target is aten.linear.default for n in gm.graph.nodes)
+    assert [n.args[1].meta["val"].dtype for n in kernels] == [torch.int8, torch.int8]
+    assert all(n.args[1].op == "get_attr" and n.args[2].op == "get_attr" for n in kernels)  # folded once
+    assert {p.name: p.counts for p in opt.report().passes}["quantize_weights"] == {"quantized": 2}
+    error = opt.report().graphs[0].precision
+    assert error["dtype"] == "int8 weights" and 0 < error["relative_error"] < 0.05
+    assert "lower precision (int8 weights): max abs error" in str(opt.report())
+
+
+def test_refresh_quantizes_updated_weights_again():
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(8, 64)
+    opt = quantized(model)
+    with torch.no_grad():
+        opt(x)
+        model.up.weight.mul_(2)
+        opt.refresh()
+        assert_within_bf16(opt(x), model(x))
+
+
+def test_int8_weights_with_bfloat16_compute_measure_both_against_full_precision():
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(8, 64)
+    opt = quantized(model, compute_dtype="bfloat16")
+    with torch.no_grad():
+        assert_within_bf16(opt(x), model(x))
+    names = [p.name for p in opt.report().passes]
+    assert names.index("quantize_weights") + 1 == names.index("lower_precision")
+    assert opt.report().graphs[0].precision["dtype"] == "int8 weights + bfloat16"
+
+
+def test_a_tight_tolerance_undoes_the_quantization():
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(8, 64)
+    opt = quantized(model, precision_tolerance=1e-9)
+    with torch.no_grad():
+        out, expected = opt(x), model(x)
+    atol, rtol = tolerance(torch.float32)
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+    assert not any(n.target is aten._weight_int8pack_mm.default for n in opt.graphs()[0].graph.nodes)
+    (reason,) = unexpected_fallbacks(opt.report())
+    assert reason.startswith("quantize_weights (int8 weights): the graph's error against full precision, max abs ")
+
+
+def test_decoder_step_with_int8_weights(decoder):
+    opt = quantized(decoder)
+    with torch.inference_mode():
+        out, expected = opt(*decode_inputs(3)), decoder(*decode_inputs(3))
+    (gm,) = opt.graphs()
+    kernels = sum(n.target is aten._weight_int8pack_mm.default for n in gm.graph.nodes)
+    # Every linear, after fuse_horizontal_linear made q, k, v and gate, up one linear each.
+    assert {p.name: p.counts for p in opt.report().passes}["quantize_weights"] == {"quantized": kernels}
+    assert kernels >= 9 and not any(n.target is aten.linear.default for n in gm.graph.nodes)
+    assert opt.report().graphs[0].precision["relative_error"] < 0.05
+    torch.testing.assert_close(out, expected, atol=0.1, rtol=0.1)
+
+
 @pytest.mark.parametrize("changes, error, message", [
+    ({"weight_quantization": "int4"}, ValueError, "weight_quantization must be one of 'int8' or null, got 'int4'"),
+    ({"weight_quantization": "int8"}, ValueError, "weight_quantization='int8' quantizes frozen weights at compile "
+                                                  "time, at level 1: it needs freeze_parameters=True and "
+                                                  "graph_opt_level=1"),
+    ({"weight_quantization": "int8", "freeze_parameters": True, "graph_opt_level": 2}, ValueError,
+     "it needs freeze_parameters=True and graph_opt_level=1"),
     ({"compute_dtype": "float16"}, ValueError, "compute_dtype must be one of 'bfloat16' or null, got 'float16'"),
     ({"compute_dtype": torch.bfloat16}, TypeError, "compute_dtype must be one of 'bfloat16' or null, got "),
     ({"precision_tolerance": 0}, ValueError, "precision_tolerance must be a number > 0 (a fraction of the output's "

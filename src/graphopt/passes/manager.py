@@ -48,7 +48,7 @@ class PassVerificationError(RuntimeError):
 
 def builtin_passes() -> dict[str, PassFn]:
     """Every pass graphopt ships, by name (the names `disabled_passes` takes)."""
-    from . import algebraic, cleanup, constant_fold, layout, memory_plan, redundant, reinplace
+    from . import algebraic, cleanup, constant_fold, layout, memory_plan, quantize, redundant, reinplace
     from .canonical import canonical_passes
     from .fusion import fusion_passes, linear, packed_linear
 
@@ -64,6 +64,7 @@ def builtin_passes() -> dict[str, PassFn]:
         "recompose_linear": linear.recompose_linear,
         "recompose_matmul": linear.recompose_matmul,
         "fuse_packed_linear": packed_linear.fuse_packed_linear,
+        "quantize_weights": quantize.quantize_weights,
         "lower_precision": precision.lower_precision,
         "convert_layout": layout.convert_layout,
         "reinplace_input_mutations": reinplace.reinplace_input_mutations,
@@ -103,9 +104,9 @@ PIPELINES: dict[int, list[str]] = {
     2: [*CLEANUP, *_canonical_and_fusions()],
 }
 
-# With compute_dtype, lower_precision runs after this pass: after the fusions, which match
-# float32 spellings, and recompose_* (whole linears to cast); before fuse_packed_linear
-# (float32 only), layout and the mutation passes.
+# Opt-in, after this pass: after the fusions, which match float32 spellings, and
+# recompose_* (whole linears); before fuse_packed_linear (float32 only), layout and the
+# mutation passes. Weights are quantized first, lower_precision lowers what is left.
 PRECISION_AFTER: dict[int, str] = {1: "recompose_matmul", 2: PIPELINES[2][-1]}
 
 
@@ -136,9 +137,8 @@ class PassManager:
         self.config = config
         self.report = report
         passes = builtin_passes()
-        names = list(PIPELINES[config.graph_opt_level])
-        if config.compute_dtype is not None and names:
-            names.insert(names.index(PRECISION_AFTER[config.graph_opt_level]) + 1, "lower_precision")
+        names = precision.with_opt_in(PIPELINES[config.graph_opt_level], PRECISION_AFTER.get(config.graph_opt_level),
+                                      config)
         self.pipeline = [(name, passes[name]) for name in names if config.pass_enabled(name)]
 
     def optimize(self, gm: torch.fx.GraphModule, record: GraphRecord, inputs: list, kinds: list[str]) -> dict:
@@ -159,8 +159,7 @@ class PassManager:
                 if kind in ("parameter", "buffer") and isinstance(value, torch.Tensor)
                 and not _compat.is_fake(value)}
         real = matched and not any(isinstance(x, torch.Tensor) and _compat.is_fake(x) for x in inputs)
-        if config.compute_dtype is not None:
-            gm.meta[precision.COMPUTE_DTYPE] = precision.compute_dtype(gm, config.compute_dtype, report.fallback)
+        precision.prepare(gm, config, report.fallback)
         verify_inputs = inputs if config.verify and real else None
         if config.verify and not real:
             report.fallback("verify skipped: the ATen graph's inputs do not match Dynamo's example "
@@ -185,7 +184,7 @@ class PassManager:
             example_inputs: Sequence[Any] | None = None) -> torch.fx.GraphModule:
         """Run the pipeline on `gm` in place. Given `verify_inputs` (real tensors in
         the graph's input order), every pass is checked against the graph before it;
-        given `example_inputs`, lower_precision's error is measured on them."""
+        given `example_inputs`, the error of lower precision is measured on them."""
         folder = dump_dir(self.config)
         if folder is not None:
             folder = folder / f"graph_{next(_dump_ids):03d}"
@@ -221,7 +220,7 @@ class _Run:
                  example_inputs: Sequence[Any] | None):
         self.gm, self.graph_index, self.report, self.folder = gm, graph_index, report, folder
         self.verify_inputs, self.verify, self.tolerance = verify_inputs, config.verify, config.precision_tolerance
-        self.example_inputs = example_inputs
+        self.example_inputs, self.full_precision = example_inputs, None
         self.expected = _run_graph(gm, verify_inputs) if verify_inputs is not None else None
         self.records: dict[str, PassRecord] = {}
 
@@ -229,7 +228,7 @@ class _Run:
         """Run one pass; True when it changed the graph (and was not undone)."""
         start = time.perf_counter()
         before = _Snapshot(self.gm)
-        result = self._lower_precision(fn, before) if name == "lower_precision" else fn(self.gm)
+        result = self._measured(name, fn, before) if name in precision.MEASURED_PASSES else fn(self.gm)
         problem = _invalid(self.gm.graph)
         if problem is not None:
             advice = f"Disable it with disabled_passes=[{name!r}] and report the graph (debug_dump_dir)."
@@ -253,18 +252,19 @@ class _Run:
             _dump(self.gm, self.folder / f"{step:02d}_{name}{suffix}")
         if self.expected is not None:
             actual = _run_graph(self.gm, self.verify_inputs)
-            if name != "lower_precision":  # held to precision_tolerance instead
+            if name not in precision.MEASURED_PASSES:  # held to precision_tolerance instead
                 with _compat.outside_fake_mode():
                     _check_same(name, self.expected, actual)
             self.expected = actual
         return result.changed
 
-    def _lower_precision(self, fn: PassFn, before: _Snapshot) -> PassResult:
-        """lower_precision, its error measured on the example inputs against the graph
-        before it (`gm.meta`); undone past precision_tolerance."""
+    def _measured(self, name: str, fn: PassFn, before: _Snapshot) -> PassResult:
+        """A pass that lowers precision, its error measured on the example inputs against
+        the graph before the first such pass (`gm.meta`); undone past precision_tolerance."""
         inputs = self.example_inputs
-        expected = _run_graph(self.gm, inputs) if inputs is not None else None
-        result = fn(self.gm)
+        if self.full_precision is None and inputs is not None:
+            self.full_precision = _run_graph(self.gm, inputs)
+        expected, result = self.full_precision, fn(self.gm)
         if result.changed and expected is None:
             self.report.fallback(precision.NOT_MEASURED)
         elif result.changed:
@@ -274,7 +274,7 @@ class _Run:
                 error = precision.measured_error(self.gm, expected, actual, self.tolerance)
             if error["fell_back"]:
                 before.restore(self.gm)
-                self.report.fallback(precision.over_tolerance(error))
+                self.report.fallback(precision.over_tolerance(name, error))
                 result = PassResult(changed=False)
             self.gm.meta[precision.PRECISION_ERROR] = error
         return result

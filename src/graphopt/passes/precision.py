@@ -23,8 +23,10 @@ import torch.fx
 
 from .. import _compat
 from .._compat import mkldnn
+from ..config import GraphOptimizationConfig
 from .base import PassResult, erase_dead, value_of
 from .constant_fold import constant_nodes, fold_node
+from .quantize import WEIGHT_QUANTIZATION
 from .strides import fake_run
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -152,6 +154,23 @@ def _cast_back(gm: torch.fx.GraphModule, node: torch.fx.Node, fake_mode: Any) ->
     node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
 
 
+def with_opt_in(pipeline: list[str], after: str | None, config: GraphOptimizationConfig) -> list[str]:
+    """`pipeline` with the passes that lower precision the config asks for, after `after`."""
+    opt_in = [name for name, key in zip(MEASURED_PASSES, ("weight_quantization", "compute_dtype"))
+              if getattr(config, key) is not None]
+    if not opt_in or after is None:
+        return list(pipeline)
+    at = pipeline.index(after) + 1
+    return [*pipeline[:at], *opt_in, *pipeline[at:]]
+
+
+def prepare(gm: torch.fx.GraphModule, config: GraphOptimizationConfig, fallback: Callable[[str], None]) -> None:
+    """Tell the passes that lower precision what the config asks of `gm` (`gm.meta`)."""
+    if config.compute_dtype is not None:
+        gm.meta[COMPUTE_DTYPE] = compute_dtype(gm, config.compute_dtype, fallback)
+    gm.meta[WEIGHT_QUANTIZATION] = config.weight_quantization
+
+
 def compute_dtype(gm: torch.fx.GraphModule, name: str, fallback: Callable[[str], None]) -> torch.dtype | None:
     """The dtype `lower_precision` computes `gm` in: `name` where the graph's device
     computes it natively, else None, with the reason given to `fallback`."""
@@ -175,8 +194,18 @@ def _device(gm: torch.fx.GraphModule) -> str | None:
     return None
 
 
-NOT_MEASURED = ("compute_dtype: the error of lower precision was not measured (the ATen graph's inputs do not "
-                "match Dynamo's example inputs), so precision_tolerance is not checked for this graph")
+# The passes whose error the manager measures against full precision, as `label` names them.
+MEASURED_PASSES = ("quantize_weights", "lower_precision")
+NOT_MEASURED = ("compute_dtype, weight_quantization: the error of lower precision was not measured (the ATen "
+                "graph's inputs do not match Dynamo's example inputs), so precision_tolerance is not checked for "
+                "this graph")
+
+
+def label(gm: torch.fx.GraphModule) -> str:
+    """What lowers the graph's precision: "int8 weights", "bfloat16", or both."""
+    parts = [f"{gm.meta[WEIGHT_QUANTIZATION]} weights" if gm.meta.get(WEIGHT_QUANTIZATION) else None,
+             str(gm.meta[COMPUTE_DTYPE]).removeprefix("torch.") if gm.meta.get(COMPUTE_DTYPE) else None]
+    return " + ".join(p for p in parts if p)
 
 
 def measured_error(gm: torch.fx.GraphModule, expected: Sequence[torch.Tensor], actual: Sequence[torch.Tensor],
@@ -197,14 +226,14 @@ def measured_error(gm: torch.fx.GraphModule, expected: Sequence[torch.Tensor], a
         magnitude, worst = e.double().abs().max().item(), diff.max().item()
         worst_abs, total, count = max(worst_abs, worst), total + diff.sum().item(), count + diff.numel()
         relative = max(relative, worst / magnitude if magnitude > 0 else (0.0 if worst == 0 else float("inf")))
-    return {"dtype": str(gm.meta[COMPUTE_DTYPE]).removeprefix("torch."), "max_abs_error": worst_abs,
+    return {"dtype": label(gm), "max_abs_error": worst_abs,
             "mean_abs_error": total / count if count else 0.0, "relative_error": relative,
             "tolerance": tolerance, "fell_back": tolerance is not None and not relative <= tolerance}
 
 
-def over_tolerance(error: dict[str, Any]) -> str:
-    """The fallback message of an error past its tolerance."""
-    return (f"compute_dtype={error['dtype']!r}: the graph's error in lower precision, max abs "
+def over_tolerance(name: str, error: dict[str, Any]) -> str:
+    """The fallback message of pass `name`'s error past its tolerance."""
+    return (f"{name} ({error['dtype']}): the graph's error against full precision, max abs "
             f"{error['max_abs_error']:.3g} (mean {error['mean_abs_error']:.3g}), is {error['relative_error']:.3g} "
-            f"of its output's largest magnitude, over precision_tolerance={error['tolerance']:g}; the graph "
-            "computes at full precision (raise precision_tolerance to accept the error)")
+            f"of its output's largest magnitude, over precision_tolerance={error['tolerance']:g}; the pass is "
+            "undone for this graph (raise precision_tolerance to accept the error)")
