@@ -1,5 +1,6 @@
-"""float32 against `compute_dtype="bfloat16"` on a BERT encoder and a ResNet-18, at level 1
-(live and frozen weights, frozen with host graphs) and level 2 frozen, batch 1 and 8.
+"""float32 against `compute_dtype="bfloat16"` (and `weight_quantization="int8"`) on a BERT
+encoder, a ResNet-18 and the reference decoder's decode step, at level 1 (live and frozen
+weights, frozen with host graphs) and level 2 frozen, batch 1 and 8.
 
 Every variant is timed in one process, interleaved round by round; the table shows
 the median µs per step, the speed-up of bfloat16 over the same variant in float32,
@@ -9,6 +10,8 @@ timed inputs. bfloat16 only pays on a CPU with AVX512-BF16 or AMX (printed first
 
     python benchmarks/precision.py --threads 1
     python benchmarks/precision.py --models bert --levels 1 --rounds 5
+    python benchmarks/precision.py --threads 1 --models decoder --variants "level 1 frozen + host graphs" \
+        --precisions float32,bfloat16,int8\ weights
 """
 
 from __future__ import annotations
@@ -39,12 +42,29 @@ def bert(batch_sizes: list[int]):
     return "BERT encoder (hidden 256, 4 layers, sequence 64)", model, lambda b: (ids[b], torch.ones_like(ids[b]))
 
 
+def decoder(batch_sizes: list[int]):
+    from graphopt.models import Decoder, DecoderConfig
+
+    torch.manual_seed(0)
+    model = Decoder(DecoderConfig.bench()).eval()
+
+    def step(b):
+        ids = torch.randint(0, model.config.vocab_size, (b,), generator=torch.Generator().manual_seed(b))
+        return ids, torch.full((b,), 5), torch.arange(b)
+    steps = {b: step(b) for b in batch_sizes}
+    return "the reference decoder's decode step (DecoderConfig.bench, 107M parameters)", model, steps.__getitem__
+
+
 def resnet18(batch_sizes: list[int]):
     torch.manual_seed(0)
     images = {b: torch.randn(b, 3, 112, 112, generator=torch.Generator().manual_seed(b)) for b in batch_sizes}
     return "ResNet-18 at 112x112", ResNet18().eval(), lambda b: (images[b],)
 
 
+PRECISIONS = {  # name -> config keys; the first is the baseline of the "vs" column
+    "float32": {}, "bfloat16": dict(compute_dtype="bfloat16"),
+    "int8 weights": dict(weight_quantization="int8"),
+}
 VARIANTS = {  # name -> config keys
     "level 1": dict(graph_opt_level=1, use_cudagraph=False, freeze_parameters=False),
     "level 1 frozen": dict(graph_opt_level=1, use_cudagraph=False, freeze_parameters=True),
@@ -64,6 +84,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="bert,resnet18")
     parser.add_argument("--levels", default="1,2")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--precisions", default="float32,bfloat16", help=f"of {', '.join(PRECISIONS)}")
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=5, help="steps per round")
@@ -78,21 +100,24 @@ def main() -> None:
         title, model, inputs = build(batch_sizes)
         variants, opts = {"eager": model}, {}
         for name, keys in VARIANTS.items():
-            if keys["graph_opt_level"] not in levels:
+            if keys["graph_opt_level"] not in levels or name not in args.variants.split(","):
                 continue
-            for dtype in (None, "bfloat16"):
-                config = graphopt.GraphOptimizationConfig(**keys, compute_dtype=dtype, cache_dir=None,
+            for precision, more in PRECISIONS.items():
+                if precision not in args.precisions.split(",") or ("weight_quantization" in more and (
+                        keys["graph_opt_level"] != 1 or not keys["freeze_parameters"])):
+                    continue
+                config = graphopt.GraphOptimizationConfig(**keys, **more, cache_dir=None,
                                                           cudagraph_capture_sizes=batch_sizes)
-                label = f"{name}, {dtype or 'float32'}"
+                label = f"{name}, {precision}"
                 variants[label] = opts[label] = graphopt.optimize(model, config)
         times = interleaved_times(variants, batch_sizes, inputs, args.rounds, args.steps)
         with torch.inference_mode():
-            expected = {b: model(*inputs(b)) for b in batch_sizes}
+            expected = {b: model(*inputs(b)).clone() for b in batch_sizes}
             errors = {(label, b): (opt(*inputs(b)) - expected[b]).abs().max().item()
                       for label, opt in opts.items() for b in batch_sizes}
         table = Table(title=title, caption=f"torch {torch.__version__} · {args.threads} thread(s) · "
                                            f"{args.rounds} interleaved rounds of {args.steps} steps")
-        for column in ("batch", "variant", "median µs", "bf16 vs f32", "max abs err vs eager",
+        for column in ("batch", "variant", "median µs", "vs float32", "max abs err vs eager",
                        "measured at compile (max / rel)", "lowered"):
             table.add_column(column, justify="right")
         for batch in batch_sizes:
@@ -102,7 +127,7 @@ def main() -> None:
                 if label == "eager":
                     table.add_row(*row, "", "", "", "")
                     continue
-                base = label.replace("bfloat16", "float32")
+                base = label.rsplit(", ", 1)[0] + ", float32"
                 row.append(f"{statistics.median(times[base, batch]) / median:.2f}x" if base != label else "")
                 row.append(f"{errors[label, batch]:.2g}")
                 report = opts[label].report()
