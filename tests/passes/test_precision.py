@@ -10,7 +10,7 @@ import graphopt
 from graphopt._compat import mkldnn
 from graphopt.config import tolerance
 from graphopt.models.resnet import ResNet, ResNetConfig
-from graphopt.passes import manager
+from graphopt.passes import manager, precision
 from graphopt.passes.precision import LOWERED_OPS, PRECISION_TABLE
 from support import decode_inputs, unexpected_fallbacks
 
@@ -189,6 +189,18 @@ def test_a_compile_cache_hit_reports_the_stored_error(tmp_path):
     assert_within_bf16(out, expected)
     (record,) = second.report().graphs
     assert record.cache_hit and record.precision == first.report().graphs[0].precision
+
+
+def test_the_error_is_that_of_the_worst_result():
+    gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+    gm.meta[precision.COMPUTE_DTYPE] = torch.bfloat16
+    logits, cache = torch.tensor([4.0, -2.0]), torch.zeros(1000)
+    error = precision.measured_error(gm, [logits, cache], [torch.tensor([4.1, -2.0]), cache], 0.05)
+    # The cache's zeros do not dilute the mean: it is the logits'.
+    assert error == {"dtype": "bfloat16", "max_abs_error": pytest.approx(0.1), "mean_abs_error": pytest.approx(0.05),
+                     "relative_error": pytest.approx(0.025), "tolerance": 0.05, "fell_back": False}
+    flipped = precision.measured_error(gm, [torch.tensor([1])], [torch.tensor([0])], None)
+    assert flipped["relative_error"] == float("inf") and not flipped["fell_back"]
 
 
 def test_every_lowered_op_has_a_reason():
