@@ -136,7 +136,7 @@ def main() -> None:
                 row.append(", ".join(f"{p['max_abs_error']:.2g} / {p['relative_error']:.2g}"
                                      + (" (fell back)" if p["fell_back"] else "") for p in measured))
                 lowered = {}
-                for p in (p for p in report.passes if p.name == "lower_precision"):
+                for p in (p for p in report.passes if p.name in ("quantize_weights", "lower_precision")):
                     for op, n in p.counts.items():
                         lowered[op] = lowered.get(op, 0) + n
                 row.append(", ".join(f"{op} {n}" for op, n in lowered.items()))
