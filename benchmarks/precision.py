@@ -81,6 +81,44 @@ def cpu_flags() -> str:
     return f"{model}; bfloat16 flags: {', '.join(found) or 'none'}; native bf16 (graphopt): {mkldnn.cpu_has_native_bf16()}"
 
 
+def optimized(model, args) -> dict[str, torch.nn.Module]:
+    """The model under every variant and precision the arguments ask for, by label."""
+    levels = {int(x) for x in args.levels.split(",")}
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    opts = {}
+    for name, keys in VARIANTS.items():
+        if keys["graph_opt_level"] not in levels or name not in args.variants.split(","):
+            continue
+        for precision, more in PRECISIONS.items():
+            if precision not in args.precisions.split(",") or ("weight_quantization" in more and (
+                    keys["graph_opt_level"] != 1 or not keys["freeze_parameters"])):
+                continue
+            config = graphopt.GraphOptimizationConfig(**keys, **more, cache_dir=None,
+                                                      cudagraph_capture_sizes=batch_sizes)
+            opts[f"{name}, {precision}"] = graphopt.optimize(model, config)
+    return opts
+
+
+def row(label: str, batch: int, times: dict, errors: dict, opt) -> list[str]:
+    """A table row: median, ratio to the same variant in float32, errors, what was lowered."""
+    median = statistics.median(times[label, batch])
+    cells = [str(batch), label, f"{median:.0f}"]
+    if opt is None:
+        return cells + ["", "", "", ""]
+    base = label.rsplit(", ", 1)[0] + ", float32"
+    cells.append(f"{statistics.median(times[base, batch]) / median:.2f}x" if base != label else "")
+    cells.append(f"{errors[label, batch]:.2g}")
+    report = opt.report()
+    cells.append(", ".join(f"{p['max_abs_error']:.2g} / {p['relative_error']:.2g}"
+                           + (" (fell back)" if p["fell_back"] else "") for p in
+                           (g.precision for g in report.graphs if g.precision)))
+    lowered: dict[str, int] = {}
+    for p in (p for p in report.passes if p.name in ("quantize_weights", "lower_precision")):
+        for op, n in p.counts.items():
+            lowered[op] = lowered.get(op, 0) + n
+    return cells + [", ".join(f"{op} {n}" for op, n in lowered.items())]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="bert,resnet18")
@@ -94,24 +132,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    levels = {int(x) for x in args.levels.split(",")}
     console = Console(width=180)
     console.print(cpu_flags())
     for build in (globals()[name] for name in args.models.split(",")):
         title, model, inputs = build(batch_sizes)
-        variants, opts = {"eager": model}, {}
-        for name, keys in VARIANTS.items():
-            if keys["graph_opt_level"] not in levels or name not in args.variants.split(","):
-                continue
-            for precision, more in PRECISIONS.items():
-                if precision not in args.precisions.split(",") or ("weight_quantization" in more and (
-                        keys["graph_opt_level"] != 1 or not keys["freeze_parameters"])):
-                    continue
-                config = graphopt.GraphOptimizationConfig(**keys, **more, cache_dir=None,
-                                                          cudagraph_capture_sizes=batch_sizes)
-                label = f"{name}, {precision}"
-                variants[label] = opts[label] = graphopt.optimize(model, config)
-        times = interleaved_times(variants, batch_sizes, inputs, args.rounds, args.steps)
+        opts = optimized(model, args)
+        times = interleaved_times({"eager": model, **opts}, batch_sizes, inputs, args.rounds, args.steps)
         with torch.inference_mode():
             expected = {b: model(*inputs(b)).clone() for b in batch_sizes}
             errors = {(label, b): (opt(*inputs(b)) - expected[b]).abs().max().item()
@@ -122,25 +148,8 @@ def main() -> None:
                        "measured at compile (max / rel)", "lowered"):
             table.add_column(column, justify="right")
         for batch in batch_sizes:
-            for label in variants:
-                median = statistics.median(times[label, batch])
-                row = [str(batch), label, f"{median:.0f}"]
-                if label == "eager":
-                    table.add_row(*row, "", "", "", "")
-                    continue
-                base = label.rsplit(", ", 1)[0] + ", float32"
-                row.append(f"{statistics.median(times[base, batch]) / median:.2f}x" if base != label else "")
-                row.append(f"{errors[label, batch]:.2g}")
-                report = opts[label].report()
-                measured = [g.precision for g in report.graphs if g.precision]
-                row.append(", ".join(f"{p['max_abs_error']:.2g} / {p['relative_error']:.2g}"
-                                     + (" (fell back)" if p["fell_back"] else "") for p in measured))
-                lowered = {}
-                for p in (p for p in report.passes if p.name in ("quantize_weights", "lower_precision")):
-                    for op, n in p.counts.items():
-                        lowered[op] = lowered.get(op, 0) + n
-                row.append(", ".join(f"{op} {n}" for op, n in lowered.items()))
-                table.add_row(*row)
+            for label in ["eager", *opts]:
+                table.add_row(*row(label, batch, times, errors, opts.get(label)))
         console.print(table)
 
 
