@@ -103,6 +103,8 @@ class BackendCache:
         config = self.config
         fields = {"graph_opt_level": config.graph_opt_level if level is None else level, "disabled_passes": sorted(config.disabled_passes),
                   "freeze_parameters": config.freeze_parameters,
+                  "compute_dtype": config.compute_dtype, "precision_tolerance": config.precision_tolerance,
+                  "weight_quantization": config.weight_quantization,
                   "inductor_compile_config": config.inductor_compile_config}
         try:
             patterns = USER_PATTERNS.fingerprint()

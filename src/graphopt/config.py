@@ -22,8 +22,8 @@ from typing import Any, Final
 import torch
 
 from .config_checks import (aten_op_names, capture_sizes, check_bool, check_budget, check_choice,
-                            check_dump_dir, check_int, describe, executors, inductor_compile_config,
-                            op_names, pass_names)
+                            check_dump_dir, check_int, check_tolerance, describe, executors,
+                            inductor_compile_config, op_names, pass_names)
 
 # Tolerances for comparing an optimized graph's outputs with eager's, by dtype: (atol, rtol).
 TOLERANCES: Final[dict[torch.dtype, tuple[float, float]]] = {
@@ -55,6 +55,8 @@ CUDAGRAPH_MODES: Final = ("none", "piecewise", "full")
 AUTO_CAPTURE_SIZES: Final = "auto"
 ON_RECOMPILE: Final = ("recompile", "warn", "error")
 GUARDS: Final = ("all", "inputs")
+COMPUTE_DTYPES: Final = ("bfloat16",)
+WEIGHT_QUANTIZATIONS: Final = ("int8",)
 
 
 CACHE_DIR_ENV: Final = "GRAPHOPT_CACHE_DIR"
@@ -136,6 +138,14 @@ class GraphOptimizationConfig:
     # Which of Dynamo's guards a call checks (guards.py): "all", or "inputs" where the
     # module's Python state is trusted not to change after the first call.
     guards: str = "all"
+    # The dtype matmuls, convolutions and attention compute in (passes/precision.py); None:
+    # the model's own. Inputs, outputs, norms' statistics and softmax keep the model's dtype.
+    compute_dtype: str | None = None
+    # With compute_dtype: the largest error allowed, as a fraction of the output's largest
+    # magnitude, measured at compile time; past it the graph keeps full precision. None: no bound.
+    precision_tolerance: float | None = 0.05
+    # "int8": linears' frozen weights in int8, a scale per output channel (passes/quantize.py), level 1.
+    weight_quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.graph_opt_level != AUTO_LEVEL:
@@ -151,6 +161,12 @@ class GraphOptimizationConfig:
         check_budget(self.graph_memory_budget)
         check_choice("on_recompile", self.on_recompile, ON_RECOMPILE)
         check_choice("guards", self.guards, GUARDS)
+        check_choice("compute_dtype", self.compute_dtype, COMPUTE_DTYPES, optional=True)
+        check_tolerance("precision_tolerance", self.precision_tolerance)
+        check_choice("weight_quantization", self.weight_quantization, WEIGHT_QUANTIZATIONS, optional=True)
+        if self.weight_quantization is not None and (not self.freeze_parameters or self.graph_opt_level != 1):
+            raise ValueError(f"weight_quantization={self.weight_quantization!r} quantizes frozen weights at compile "
+                             "time, at level 1: it needs freeze_parameters=True and graph_opt_level=1")
         check_int("cudagraph_num_of_warmups", self.cudagraph_num_of_warmups, minimum=0)
         check_choice("cudagraph_mode", self.cudagraph_mode, CUDAGRAPH_MODES, optional=True)
         self.cudagraph_splitting_ops = aten_op_names(self.cudagraph_splitting_ops)

@@ -42,6 +42,16 @@ def check_choice(key: str, value: object, choices: tuple[str, ...], optional: bo
         raise ValueError(f"{key} must be {accepted}, got {value!r}")
 
 
+def check_tolerance(key: str, value: object) -> None:
+    accepted = f"{key} must be a number > 0 (a fraction of the output's largest magnitude) or null for no bound"
+    if value is None:
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{accepted}, got {describe(value)}")
+    if not value > 0:
+        raise ValueError(f"{accepted}, got {value}")
+
+
 def aten_op_names(value: object) -> list[str]:
     accepted = ('cudagraph_splitting_ops must be a list of ATen op names such as "aten.index_put_" '
                 'or "aten.index_put_.default"')

@@ -48,12 +48,14 @@ class GraphRecord:
     cache_hit: bool = False   # loaded from the compile cache: the records are those of the stored compile
     traced: bool = True       # Dynamo traced it in this process (False: a stored trace, traces.py, ran it)
     gemms: dict[str, str] = field(default_factory=dict)  # level 2: each autotuned GEMM -> the kernel chosen, timed
+    # compute_dtype: the error measured against full precision (passes/precision.py measured_error)
+    precision: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "nodes_before": self.nodes_before,
                 "nodes_after": self.nodes_after, "compile_seconds": round(self.compile_seconds, 3),
                 "fused_ops": dict(self.fused_ops), "cache_hit": self.cache_hit, "traced": self.traced,
-                "gemms": dict(self.gemms)}
+                "gemms": dict(self.gemms), "precision": dict(self.precision)}
 
 
 @dataclass
@@ -256,6 +258,8 @@ class Report:
             if g.fused_ops:
                 lines.append("    fused ops: " + ", ".join(f"{k}={v}" for k, v in g.fused_ops.items()))
             lines.extend(f"    GEMM {gemm}: {choice}" for gemm, choice in g.gemms.items())
+            if g.precision:
+                lines.append(_precision_line(g.precision))
             for p in (p for p in self.passes if p.graph == g.index):
                 counts = ", ".join(f"{k}={v}" for k, v in p.counts.items()) or "-"
                 mark = "changed" if p.changed else "no change"
@@ -306,6 +310,12 @@ def _choice_line(choice: dict[str, Any]) -> str:
     timed = ", ".join(f"level {k} {v * 1e6:.0f} us" for k, v in choice["seconds"].items() if v)
     cached = ", chosen in an earlier process" if choice.get("cached") else ""
     return head + f"{choice['level']} ({choice['reason']}{'; ' + timed if timed else ''}{cached})"
+
+
+def _precision_line(error: dict[str, Any]) -> str:
+    kept = "kept" if not error["fell_back"] else f"over precision_tolerance={error['tolerance']:g}: full precision"
+    return (f"    lower precision ({error['dtype']}): max abs error {error['max_abs_error']:.3g}, mean "
+            f"{error['mean_abs_error']:.3g}, {error['relative_error']:.3g} of the output's magnitude ({kept})")
 
 
 def _plan_lines(plan: PlanRecord) -> str:

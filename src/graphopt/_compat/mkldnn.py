@@ -64,3 +64,12 @@ def pack_linear_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
     """`weight` ([out, in]) reordered once into oneDNN's blocked layout for inputs of
     about `rows` rows (any row count runs on it)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 products natively (AVX512-BF16 or AMX), where
+    oneDNN's bfloat16 GEMMs and convolutions beat float32's. Elsewhere torch emulates
+    bfloat16 with float32 arithmetic: right, but slower than float32. torch asks the
+    CPU only through private functions."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)

@@ -33,6 +33,7 @@ from .. import _compat
 from .._compat.names import tensor_leaves, tree_leaves
 from ..config import GraphOptimizationConfig, tolerance
 from ..report import GraphRecord, PassRecord, Report, first_line
+from . import precision
 from .base import PassResult
 from .fusion import fused_op_counts
 from .memory_plan import memory_record
@@ -47,7 +48,7 @@ class PassVerificationError(RuntimeError):
 
 def builtin_passes() -> dict[str, PassFn]:
     """Every pass graphopt ships, by name (the names `disabled_passes` takes)."""
-    from . import algebraic, cleanup, constant_fold, layout, memory_plan, redundant, reinplace
+    from . import algebraic, cleanup, constant_fold, layout, memory_plan, quantize, redundant, reinplace
     from .canonical import canonical_passes
     from .fusion import fusion_passes, linear, packed_linear
 
@@ -63,6 +64,8 @@ def builtin_passes() -> dict[str, PassFn]:
         "recompose_linear": linear.recompose_linear,
         "recompose_matmul": linear.recompose_matmul,
         "fuse_packed_linear": packed_linear.fuse_packed_linear,
+        "quantize_weights": quantize.quantize_weights,
+        "lower_precision": precision.lower_precision,
         "convert_layout": layout.convert_layout,
         "reinplace_input_mutations": reinplace.reinplace_input_mutations,
         "reinplace_intermediates": reinplace.reinplace_intermediates,
@@ -101,6 +104,11 @@ PIPELINES: dict[int, list[str]] = {
     2: [*CLEANUP, *_canonical_and_fusions()],
 }
 
+# Opt-in, after this pass: after the fusions, which match float32 spellings, and
+# recompose_* (whole linears); before fuse_packed_linear (float32 only), layout and the
+# mutation passes. Weights are quantized first, lower_precision lowers what is left.
+PRECISION_AFTER: dict[int, str] = {1: "recompose_matmul", 2: PIPELINES[2][-1]}
+
 
 def check_pass_names(names: Sequence[str]) -> None:
     known = builtin_passes()
@@ -129,8 +137,9 @@ class PassManager:
         self.config = config
         self.report = report
         passes = builtin_passes()
-        self.pipeline = [(name, passes[name]) for name in PIPELINES[config.graph_opt_level]
-                         if config.pass_enabled(name)]
+        names = precision.with_opt_in(PIPELINES[config.graph_opt_level], PRECISION_AFTER.get(config.graph_opt_level),
+                                      config)
+        self.pipeline = [(name, passes[name]) for name in names if config.pass_enabled(name)]
 
     def optimize(self, gm: torch.fx.GraphModule, record: GraphRecord, inputs: list, kinds: list[str]) -> dict:
         """Run the pipeline on the ATen graph `gm` of graph `record`, whose placeholders
@@ -149,38 +158,39 @@ class PassManager:
                 node.name: value for node, value, kind in zip(placeholders, inputs, kinds)
                 if kind in ("parameter", "buffer") and isinstance(value, torch.Tensor)
                 and not _compat.is_fake(value)}
-        verify_inputs = None
-        if config.verify:
-            if matched and not any(isinstance(x, torch.Tensor) and _compat.is_fake(x) for x in inputs):
-                verify_inputs = inputs
-            else:
-                report.fallback("verify skipped: the ATen graph's inputs do not match Dynamo's example "
-                                "inputs (AOTAutograd added or merged inputs, or a piece of a split graph "
-                                "reads intermediate values)")
+        real = matched and not any(isinstance(x, torch.Tensor) and _compat.is_fake(x) for x in inputs)
+        precision.prepare(gm, config, report.fallback)
+        verify_inputs = inputs if config.verify and real else None
+        if config.verify and not real:
+            report.fallback("verify skipped: the ATen graph's inputs do not match Dynamo's example "
+                            "inputs (AOTAutograd added or merged inputs, or a piece of a split graph "
+                            "reads intermediate values)")
         if config.freeze_parameters and not matched:
             report.fallback("freeze_parameters: the ATen graph's inputs do not match Dynamo's example "
                             "inputs, so parameters stay live inputs")
-        self.run(gm, record.index, verify_inputs)
+        self.run(gm, record.index, verify_inputs, inputs if real else None)
         record.nodes_after = _count_ops(gm.graph)
+        record.precision = dict(gm.meta.get(precision.PRECISION_ERROR, {}))
         memory = memory_record(gm, record.index)  # set by the plan_memory pass
         if memory is not None:
             report.memory.append(memory)
         record.fused_ops = fused_op_counts(gm.graph)
         return {"record": {"nodes_before": record.nodes_before, "nodes_after": record.nodes_after,
-                           "fused_ops": dict(record.fused_ops)},
+                           "fused_ops": dict(record.fused_ops), "precision": dict(record.precision)},
                 "passes": report.passes[first_pass:], "memory": report.memory[first_plan:],
                 "fallbacks": dict(Counter(report.fallbacks) - fallbacks_before)}
 
-    def run(self, gm: torch.fx.GraphModule, graph_index: int,
-            verify_inputs: Sequence[Any] | None = None) -> torch.fx.GraphModule:
+    def run(self, gm: torch.fx.GraphModule, graph_index: int, verify_inputs: Sequence[Any] | None = None,
+            example_inputs: Sequence[Any] | None = None) -> torch.fx.GraphModule:
         """Run the pipeline on `gm` in place. Given `verify_inputs` (real tensors in
-        the graph's input order), every pass is checked against the graph before it."""
+        the graph's input order), every pass is checked against the graph before it;
+        given `example_inputs`, the error of lower precision is measured on them."""
         folder = dump_dir(self.config)
         if folder is not None:
             folder = folder / f"graph_{next(_dump_ids):03d}"
             folder.mkdir(parents=True, exist_ok=True)
             _dump(gm, folder / "00_input")
-        run = _Run(gm, graph_index, self.report, folder, verify_inputs, self.config.verify)
+        run = _Run(gm, graph_index, self.report, folder, verify_inputs, self.config, example_inputs)
         for group in self._groups():
             rounds = CLEANUP_ROUNDS if group[0][1] in CLEANUP else 1
             for round_ in range(1, rounds + 1):
@@ -206,9 +216,11 @@ class _Run:
     and the reference results verification compares against."""
 
     def __init__(self, gm: torch.fx.GraphModule, graph_index: int, report: Report,
-                 folder: Path | None, verify_inputs: Sequence[Any] | None, verify: bool):
+                 folder: Path | None, verify_inputs: Sequence[Any] | None, config: GraphOptimizationConfig,
+                 example_inputs: Sequence[Any] | None):
         self.gm, self.graph_index, self.report, self.folder = gm, graph_index, report, folder
-        self.verify_inputs, self.verify = verify_inputs, verify
+        self.verify_inputs, self.verify, self.tolerance = verify_inputs, config.verify, config.precision_tolerance
+        self.example_inputs, self.full_precision = example_inputs, None
         self.expected = _run_graph(gm, verify_inputs) if verify_inputs is not None else None
         self.records: dict[str, PassRecord] = {}
 
@@ -216,7 +228,7 @@ class _Run:
         """Run one pass; True when it changed the graph (and was not undone)."""
         start = time.perf_counter()
         before = _Snapshot(self.gm)
-        result = fn(self.gm)
+        result = self._measured(name, fn, before) if name in precision.MEASURED_PASSES else fn(self.gm)
         problem = _invalid(self.gm.graph)
         if problem is not None:
             advice = f"Disable it with disabled_passes=[{name!r}] and report the graph (debug_dump_dir)."
@@ -240,10 +252,32 @@ class _Run:
             _dump(self.gm, self.folder / f"{step:02d}_{name}{suffix}")
         if self.expected is not None:
             actual = _run_graph(self.gm, self.verify_inputs)
-            with _compat.outside_fake_mode():
-                _check_same(name, self.expected, actual)
+            if name not in precision.MEASURED_PASSES:  # held to precision_tolerance instead
+                with _compat.outside_fake_mode():
+                    _check_same(name, self.expected, actual)
             self.expected = actual
         return result.changed
+
+    def _measured(self, name: str, fn: PassFn, before: _Snapshot) -> PassResult:
+        """A pass that lowers precision, its error measured on the example inputs against
+        the graph before the first such pass (`gm.meta`); undone past precision_tolerance."""
+        inputs = self.example_inputs
+        if self.full_precision is None and inputs is not None:
+            self.full_precision = _run_graph(self.gm, inputs)
+        expected, result = self.full_precision, fn(self.gm)
+        if result.changed and expected is None:
+            self.report.fallback(precision.NOT_MEASURED)
+        elif result.changed:
+            self.gm.recompile()
+            actual = _run_graph(self.gm, inputs)
+            with _compat.outside_fake_mode():
+                error = precision.measured_error(self.gm, expected, actual, self.tolerance)
+            if error["fell_back"]:
+                before.restore(self.gm)
+                self.report.fallback(precision.over_tolerance(name, error))
+                result = PassResult(changed=False)
+            self.gm.meta[precision.PRECISION_ERROR] = error
+        return result
 
 
 def _inputs_match(gm: torch.fx.GraphModule, inputs: list) -> bool:
