@@ -291,7 +291,7 @@ def _bench_parser(commands: argparse._SubParsersAction) -> None:
                                               f"{', '.join(usual)}, and with --large the large ones)")
     parser.add_argument("--models", type=_names(zoo.MODELS), default=None, metavar="M,...",
                         help=f"the zoo's models to run (implies --workloads zoo): {', '.join(zoo.MODELS)} "
-                             "(default: all); timm's need 'graphopt[zoo]'")
+                             "(default: all); pip install 'graphopt[zoo]' first")
     parser.add_argument("--large", action="store_true",
                         help=f"without --workloads, run the large workloads too ({', '.join(bench.LARGE)}): a "
                              "ResNet-18, a BERT-base-sized encoder and two serving traces of 3000 decode steps, "
