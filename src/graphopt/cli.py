@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import bench
+from .bench import zoo
 from .api import optimize
 from .config import GRAPH_OPT_LEVELS, GraphOptimizationConfig
 from .models import Decoder, DecoderConfig, generate
@@ -284,15 +285,21 @@ def _bench_parser(commands: argparse._SubParsersAction) -> None:
                     "timed in interleaved rounds in one process, every output checked against eager's; "
                     "start-up (cold and warm) and peak memory in fresh processes.")
     usual = [w for w in bench.WORKLOADS if w not in bench.LARGE]
-    parser.add_argument("--workloads", type=_names(list(bench.WORKLOADS)), default=None,
-                        metavar="W,...", help=f"workloads to run: {', '.join(bench.WORKLOADS)} (default: "
+    parser.add_argument("--workloads", type=_names([*bench.WORKLOADS, "zoo", *zoo.ZOO]), default=None,
+                        metavar="W,...", help=f"workloads to run: {', '.join(bench.WORKLOADS)}, or zoo: timm and "
+                                              f"transformers models with random weights (default: "
                                               f"{', '.join(usual)}, and with --large the large ones)")
+    parser.add_argument("--models", type=_names(zoo.MODELS), default=None, metavar="M,...",
+                        help=f"the zoo's models to run (implies --workloads zoo): {', '.join(zoo.MODELS)} "
+                             "(default: all); pip install 'graphopt[zoo]' first")
     parser.add_argument("--large", action="store_true",
                         help=f"without --workloads, run the large workloads too ({', '.join(bench.LARGE)}): a "
                              "ResNet-18, a BERT-base-sized encoder and two serving traces of 3000 decode steps, "
                              "minutes each at one thread")
-    parser.add_argument("--contenders", type=_names(keys), default=keys, metavar="C,...",
-                        help=f"contenders to run: {', '.join(keys)} (default: all; compile-ro is CUDA only)")
+    parser.add_argument("--contenders", type=_names(keys), default=None, metavar="C,...",
+                        help=f"contenders to run: {', '.join(keys)} (default: all but "
+                             f"{', '.join(bench.OPT_IN)}; compile-ro is CUDA only; for the zoo: "
+                             f"{', '.join(zoo.CONTENDERS)})")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cpu (float32, small shapes) or cuda (bfloat16, larger shapes)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
@@ -307,7 +314,7 @@ def _bench_parser(commands: argparse._SubParsersAction) -> None:
                         help="interleaved timing rounds per case (default: 10, 2 with --quick)")
     parser.add_argument("--startup", action=argparse.BooleanOptionalAction, default=None,
                         help="measure cold and warm start-up and peak memory in fresh processes "
-                             "(default: on, off with --quick)")
+                             "(default: on, off with --quick and for the zoo alone)")
     parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                         help="run each contender (with eager) in a process of its own, so a crash loses only "
                              "its rows (default: on with --device cuda, off on the CPU)")
@@ -326,9 +333,21 @@ def _bench_parser(commands: argparse._SubParsersAction) -> None:
                              "(how the docs' benchmarks page is made)")
 
 
-def _workloads(named: list[str] | None, large: bool) -> list[str]:
-    """Named workloads run as named: --large only widens the default list."""
-    return named or [w for w in bench.WORKLOADS if large or w not in bench.LARGE]
+def _workloads(named: list[str] | None, large: bool, models: list[str] | None = None) -> list[str]:
+    """Named workloads run as named: --large only widens the default list; "zoo" and
+    --models name the zoo's."""
+    if models and not named:
+        return zoo.expand([], models)
+    return zoo.expand(named or [w for w in bench.WORKLOADS if large or w not in bench.LARGE], models)
+
+
+def _contenders(named: list[str] | None, workloads: list[str]) -> list[str]:
+    """Named contenders; else the zoo's for a run of the zoo alone, or all but the opt-in ones."""
+    if named:
+        return named
+    if all(w in zoo.ZOO for w in workloads):
+        return zoo.CONTENDERS
+    return [c.key for c in bench.contenders("cuda") if c.key not in bench.OPT_IN]
 
 
 def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -342,9 +361,12 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         except (OSError, ValueError) as error:
             print(f"graphopt bench: --docs {args.docs}: {error}", file=sys.stderr)
             return 2
-    options = bench.Options(_workloads(args.workloads, args.large), args.contenders, args.device, args.quick,
+    workloads = _workloads(args.workloads, args.large, args.models)
+    zoo_only = all(w in zoo.ZOO for w in workloads)  # start-up runs: minutes per zoo model, off unless asked
+    options = bench.Options(workloads, _contenders(args.contenders, workloads), args.device, args.quick,
                             args.rounds or (2 if args.quick else 10),
-                            not args.quick if args.startup is None else args.startup, torch.get_num_threads(),
+                            not (args.quick or zoo_only) if args.startup is None else args.startup,
+                            torch.get_num_threads(),
                             shlex.join(["graphopt", *argv]), args.dtype, args.profile)
     console = Console()
     if not console.is_terminal:

@@ -7,6 +7,7 @@ contenders.py eager, torch.compile, graphopt levels with and without device grap
 measure.py    warm-up, interleaved rounds, output checks, ratios, noisy rows, the GEMM floor
 startup.py    cold and warm start-up and peak memory, in fresh processes
 suite.py      each workload through every contender
+zoo.py        timm and transformers models users know, random weights (--workloads zoo)
 isolate.py    each contender in a process of its own (--isolate, the default on CUDA)
 output.py     rich and Markdown tables, bench.json, bench.png
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from .contenders import contenders
+from .contenders import OPT_IN, contenders
 from .isolate import run_isolated
 from .measure import NOISY_SPREAD, spread
 from .output import measured_section, present
@@ -31,5 +32,6 @@ def write(results: list[WorkloadResult], options: Options, out: Path, as_markdow
     return present(results, setup(options), out, as_markdown, console, docs, wide)
 
 
-__all__ = ["LARGE", "NOISY_SPREAD", "WORKLOADS", "Options", "WorkloadResult", "contenders", "measured_section", "run",
+__all__ = ["LARGE", "NOISY_SPREAD", "OPT_IN", "WORKLOADS", "Options", "WorkloadResult", "contenders",
+           "measured_section", "run",
            "run_isolated", "spread", "write"]

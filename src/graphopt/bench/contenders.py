@@ -41,6 +41,7 @@ class Contender:
     engines: bool = False     # and executors= the installed engines: each stateless graph on the fastest
     auto_sizes: bool = False  # cudagraph_capture_sizes="auto": capture sizes chosen from the traffic
     trusted: bool = False     # guards="inputs": only the guards on the step's arguments are checked
+    defaults: bool = False    # optimize(model) with no config: what a user gets without options
 
     @property
     def competitor(self) -> bool:
@@ -54,6 +55,11 @@ TUNED = {"cpu": {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
          "cuda": {"max_autotune": True}}
 
 
+# Left out of a run unless named (the zoo runs them by default): they would lengthen
+# every workload's run and table.
+OPT_IN = ("compile-max", "default")
+
+
 def contenders(device: str) -> list[Contender]:
     """Every contender, in table order, for `device`."""
     cuda = device.startswith("cuda")
@@ -62,6 +68,11 @@ def contenders(device: str) -> list[Contender]:
     if cuda:  # torch.compile's own CUDA graphs: the competitor to graphopt's device graphs on a GPU
         found.append(Contender("compile-ro", "torch.compile reduce-overhead", "torch.compile",
                                mode="reduce-overhead"))
+    # Inductor's autotuned kernels without its CUDA graphs: the zoo's second torch.compile.
+    found.append(Contender("compile-max", "torch.compile max-autotune", "torch.compile",
+                           mode="max-autotune-no-cudagraphs"))
+    # The defaults' level and device graphs, so the report's figures are read as for L1 + graphs.
+    found.append(Contender("default", "graphopt default", "graphopt", 1, True, defaults=True))
     for level in (0, 1, 2):
         found.append(Contender(f"L{level}", f"graphopt L{level}", "graphopt", level))
         found.append(Contender(f"L{level}+graphs", f"graphopt L{level} + {graphs}", "graphopt", level, True))
@@ -97,6 +108,8 @@ def build(contender: Contender, workload: Workload, device: str) -> Step:
         return workload.bind(lambda target: target)
     if contender.kind == "torch.compile":
         return workload.bind(lambda target: torch.compile(target, mode=contender.mode))
+    if contender.defaults:
+        return workload.bind(lambda target: optimize(target, pad_values=workload.pad_values))
     if contender.kind == "graphopt":
         extra = dict(freeze_parameters=True, inductor_compile_config=TUNED[device.split(":")[0]]) \
             if contender.tuned else dict(freeze_parameters=True) if contender.frozen else {}

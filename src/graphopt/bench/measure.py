@@ -67,6 +67,7 @@ class Row:
     vs_competitor: float = float("nan")       # the best competitor's time / this one's
     vs_floor: float | None = None             # this time / the GEMM floor: >= 1, 1 is the floor
     graphs: GraphFigures | None = None        # graphopt with device graphs: what they did
+    choice: str = ""                          # graphopt: its level and each graph's fused ops (zoo.chosen)
 
     @property
     def median_us(self) -> float:

@@ -141,6 +141,30 @@ def graph_cells(result: CaseResult) -> Cells:
     return table
 
 
+ZOO_CAPTION = ("median per run; vs torch.compile: torch.compile's (default mode) median / graphopt's, "
+               "below 1.00x slower than it, * a noisy row (rounds stray more than ±10%); graphopt chose: "
+               "the report of the first graphopt contender, its level and each graph's fused ops")
+
+
+def zoo_cells(results: list[WorkloadResult]) -> Cells:
+    """The zoo in one table: a row per model and case, every contender's median,
+    each graphopt contender against torch.compile, and what graphopt chose."""
+    cases = [(r.name.removeprefix("zoo-"), case) for r in results if r.name.startswith("zoo-") for case in r.cases]
+    names = list(dict.fromkeys(row.contender for _, case in cases for row in case.rows))
+    ours = [name for name in names if name.startswith("graphopt")]
+    table = Cells(["model", "case", *names, *(f"{name} vs torch.compile" for name in ours), "graphopt chose"])
+    for model, case in cases:
+        rows = {row.contender: row for row in case.rows}
+        compiled = rows.get("torch.compile")
+        medians = [duration(rows[name].median_us) if name in rows else "-" for name in names]
+        versus = [f"{compiled.median_us / rows[name].median_us:.2f}x" + "*" * (rows[name].noisy or compiled.noisy)
+                  if name in rows and compiled else "-" for name in ours]
+        choice = next((rows[name].choice for name in ours if name in rows), "")
+        table.rows.append([model, case.case, *medians, *versus, choice])
+        table.mismatched.append(not all(row.outputs_equal for row in case.rows))
+    return table
+
+
 PROFILE_CAPTION = ("share of one run: torch's profiler (each op's own time) for torch's contenders, ONNX "
                    "Runtime's session profiling for it; 'outside ops' is framework overhead and code no "
                    "profiler names an op (Inductor's C++ kernels, an engine behind executors)")
@@ -195,7 +219,7 @@ def to_json(setup: dict[str, Any], workloads: dict[str, dict[str, Any]]) -> str:
                           "vs_eager": r.vs_eager, "vs_best_competitor": r.vs_competitor,
                           "vs_floor": r.vs_floor, "spread": round(r.spread, 4), "noisy": r.noisy,
                           "outputs_equal": r.outputs_equal, "max_abs_diff": r.max_diff,
-                          "note": r.note, "reasons": r.reasons, "warmup_s": r.warmup_s,
+                          "note": r.note, "reasons": r.reasons, "warmup_s": r.warmup_s, "choice": r.choice,
                           "graphs": None if r.graphs is None else {**asdict(r.graphs), "replayed_share":
                                                                     r.graphs.replayed_share}}
                          for r in result.rows],
@@ -252,7 +276,7 @@ def present(results: list[WorkloadResult], setup: dict[str, Any], out: Path, as_
                f"> 1 is faster; noisy: a row's rounds (or those of the row it is compared with) stray more "
                f"than ±{NOISY_SPREAD:.0%} from their median · {tolerance_text(setup)}")
     for result in results:
-        tables = [(result.title, caption, result_cells(result.cases, wide))]
+        tables = [(result.title, caption, result_cells(result.cases, wide))] if result.cases else []
         tables.extend((f"{result.name}, {case.case}: device graphs", GRAPHS_CAPTION, graph_cells(case))
                       for case in result.cases if case.graph_table and any(r.graphs for r in case.rows))
         tables.extend((f"{result.name}, {case.case}: where the time goes, by op class", PROFILE_CAPTION,
@@ -273,6 +297,13 @@ def present(results: list[WorkloadResult], setup: dict[str, Any], out: Path, as_
         for name, why in result.skipped.items():
             info.print(f"{result.name}: {name} left out: {why}", highlight=False, markup=False, soft_wrap=True)
         blocks.extend(f"- {result.name}: {name} left out: {why}" for name, why in result.skipped.items())
+    zoo = zoo_cells(results)
+    if zoo.rows:
+        blocks.append(markdown("The zoo", ZOO_CAPTION, zoo))
+        if as_markdown:
+            print(blocks[-1] + "\n")
+        else:
+            console.print(rich_table("The zoo", ZOO_CAPTION, zoo, wide=True))
     out.mkdir(parents=True, exist_ok=True)
     workloads = {r.name: {"title": r.title, "cases": r.cases, "startup": r.startup, "skipped": r.skipped}
                  for r in results}

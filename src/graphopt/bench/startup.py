@@ -59,11 +59,12 @@ def _child(argv: list[str] | None = None) -> None:
     import torch
 
     from .contenders import build, contenders
-    from .workloads import WORKLOADS, Sizes
+    from .workloads import Sizes
+    from .zoo import factory
 
     torch.set_num_threads(args.threads)
     contender = next(c for c in contenders(args.device) if c.key == args.contender)
-    workload = WORKLOADS[args.workload](Sizes(args.quick, args.device, args.dtype))
+    workload = factory(args.workload)(Sizes(args.quick, args.device, args.dtype))
     with torch.inference_mode():
         output = workload.cases[0].runner(build(contender, workload, args.device))()
     if args.device.startswith("cuda"):

@@ -18,12 +18,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..report import first_line
 from .contenders import (Contender, OnnxStep, Unavailable, build, contenders, describe, graph_counts,
-                         graph_figures)
+                         graph_figures, report_of)
 from .measure import (EAGER, HALF_ERROR_FACTOR, CaseResult, Row, compare, fill_ratios, gemm_floor,
                       interleaved_rounds, output_tolerance, warm_up)
 from .profile import profile_case
 from .startup import measure_startup
-from .workloads import WORKLOADS, Case, Sizes, Step
+from .workloads import Case, Sizes, Step
+from .zoo import ZooUnavailable, chosen, factory
 
 # A device graph is captured after graphopt's default 2 warm-up calls, so the 4th
 # call of a case is a replay: that is the output checked against eager's.
@@ -74,7 +75,10 @@ def run(options: Options, console: Console) -> list[WorkloadResult]:
 
 def _workload(name: str, chosen: list[Contender], options: Options, tick: Callable[[str], None],
               more: Callable[[int], None]) -> WorkloadResult:
-    workload = WORKLOADS[name](Sizes(options.quick, options.device, options.precision))
+    try:
+        workload = factory(name)(Sizes(options.quick, options.device, options.precision))
+    except ZooUnavailable as why:
+        return WorkloadResult(name, name, skipped={"every contender": str(why)})
     result = WorkloadResult(name, workload.title)
     steps, kinds = {}, {c.name: c for c in chosen}
     for contender in chosen:
@@ -135,8 +139,9 @@ def _case(case: Case, steps: dict[str, Step], kinds: dict[str, Contender], optio
     for name, step in steps.items():
         equal, diff = (True, 0.0) if name == EAGER else compare(outputs[name], outputs[EAGER], truth)
         note, reasons = describe(step, kinds[name])
+        choice = chosen(report_of(step)) if kinds[name].kind == "graphopt" else ""
         result.rows.append(Row(name, kinds[name].competitor, times[name], equal, diff, note, reasons,
-                               warmup_s[name], graphs=graphs[name]))
+                               warmup_s[name], graphs=graphs[name], choice=choice))
     fill_ratios(result)
     if options.profile:
         tick("profiling by op class")
