@@ -84,6 +84,9 @@ def test_choice_names_the_level_and_each_graphs_fused_ops():
     report = Report(level=1, graphs=[GraphRecord(0, fused_ops={"rms_norm": 9, "attention": 4}), GraphRecord(1)])
     assert zoo.chosen(report) == "L1; g0: attention x4, rms_norm x9; g1: no fusion"
     assert zoo.chosen(Report(level=2)) == "L2; no graph compiled"
+    auto = Report(level="auto", graphs=[GraphRecord(0, fused_ops={"attention": 4}), GraphRecord(1)],
+                  level_choices=[{"graph": 0, "level": 2}])
+    assert zoo.chosen(auto) == "Lauto; g0 (level 2 chosen): attention x4; g1: no fusion"
 
 
 def test_zoo_and_models_expand_to_the_zoos_workloads_and_contenders():
@@ -92,7 +95,7 @@ def test_zoo_and_models_expand_to_the_zoos_workloads_and_contenders():
     assert zoo.expand(["resnet"], ["bert"]) == ["resnet", "zoo-bert"]
     assert cli._workloads(None, False, ["llama"]) == ["zoo-llama"]
     assert cli._contenders(None, ["zoo-llama"]) == zoo.CONTENDERS == ["eager", "compile", "compile-max", "default",
-                                                                       "L2"]
+                                                                       "auto", "L2"]
     usual = cli._contenders(None, ["resnet", "zoo-llama"])
     assert "compile" in usual and not set(OPT_IN) & set(usual)
     assert cli._contenders(["eager"], ["zoo-llama"]) == ["eager"]

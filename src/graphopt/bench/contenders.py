@@ -33,7 +33,7 @@ class Contender:
     key: str
     name: str
     kind: str                 # eager | torch.compile | graphopt | onnxruntime | openvino | openvino-onnx
-    level: int = 0
+    level: int | str = 0      # graph_opt_level: 0, 1, 2 or "auto"
     device_graphs: bool = False
     mode: str | None = None   # torch.compile's mode
     tuned: bool = False       # graphopt with frozen weights and Inductor's autotuned GEMMs (TUNED)
@@ -57,7 +57,7 @@ TUNED = {"cpu": {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 # Left out of a run unless named (the zoo runs them by default): they would lengthen
 # every workload's run and table.
-OPT_IN = ("compile-max", "default")
+OPT_IN = ("compile-max", "default", "auto")
 
 
 def contenders(device: str) -> list[Contender]:
@@ -73,6 +73,8 @@ def contenders(device: str) -> list[Contender]:
                            mode="max-autotune-no-cudagraphs"))
     # The defaults' level and device graphs, so the report's figures are read as for L1 + graphs.
     found.append(Contender("default", "graphopt default", "graphopt", 1, True, defaults=True))
+    # Each graph at the faster of levels 1 (with device graphs) and 2, timed at its first call.
+    found.append(Contender("auto", "graphopt auto", "graphopt", "auto", True))
     for level in (0, 1, 2):
         found.append(Contender(f"L{level}", f"graphopt L{level}", "graphopt", level))
         found.append(Contender(f"L{level}+graphs", f"graphopt L{level} + {graphs}", "graphopt", level, True))

@@ -29,7 +29,7 @@ from torch import nn
 from .workloads import WORKLOADS, Case, Sizes, Step, Workload
 
 # What `--workloads zoo` runs when --contenders is not given.
-CONTENDERS = ["eager", "compile", "compile-max", "default", "L2"]
+CONTENDERS = ["eager", "compile", "compile-max", "default", "auto", "L2"]
 TIMM_FIX = ("install the CPU torchvision that matches your torch from PyTorch's CPU index, e.g. "
             "pip install torchvision==<the release for your torch> --index-url https://download.pytorch.org/whl/cpu")
 # The ops torchvision's _meta_registrations registers fake kernels for without first
@@ -199,7 +199,9 @@ def chosen(report: Any) -> str:
     """What graphopt made of a model, from its report: the level and, per graph, its
     fused ops ("no fusion" where none fired)."""
     parts = []
+    levels = {c["graph"]: c.get("level") for c in report.level_choices}  # graph_opt_level="auto"
     for graph in report.graphs:
         fused = ", ".join(f"{op} x{n}" for op, n in sorted(graph.fused_ops.items()) if n)
-        parts.append(f"g{graph.index}: {fused or 'no fusion'}")
+        level = f" (level {levels[graph.index]} chosen)" if graph.index in levels else ""
+        parts.append(f"g{graph.index}{level}: {fused or 'no fusion'}")
     return f"L{report.level}; " + ("; ".join(parts) if parts else "no graph compiled")
