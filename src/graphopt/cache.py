@@ -26,10 +26,11 @@ import hashlib
 import json
 import os
 import pickle
+import platform
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import torch
 import torch.fx
@@ -51,7 +52,20 @@ def versions() -> dict[str, str]:
     for path in sorted(Path(__file__).parent.rglob("*.py")):
         digest.update(path.read_bytes())
     return {"graphopt": digest.hexdigest()[:16], "torch": torch.__version__,
-            "python": f"{sys.version_info[0]}.{sys.version_info[1]}"}
+            "python": f"{sys.version_info[0]}.{sys.version_info[1]}", "cpu": cpu_model()}
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_model() -> str:
+    """The CPU an entry is valid for: level 2's C++ code is built for its vector
+    instructions and its GEMM choices were timed on it."""
+    name = ""
+    try:
+        with open("/proc/cpuinfo") as info:
+            name = next((line.partition(":")[2].strip() for line in info if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return f"{name or platform.processor() or platform.machine()} ({torch.backends.cpu.get_cpu_capability()})"
 
 
 def cache_key(*parts: str) -> str:
@@ -106,10 +120,12 @@ def _attributes(gm: torch.fx.GraphModule) -> dict[str, Any]:
             for node in gm.graph.find_nodes(op="get_attr")}
 
 
-def dump_graph(gm: torch.fx.GraphModule) -> dict:
+def dump_graph(gm: torch.fx.GraphModule, leave_out: Collection[str] = ()) -> dict:
     """A picklable form of `gm`: its nodes in order, each target by name, and the
-    tensors its get_attr nodes read. Node metadata (fake tensors) is left out.
-    Raises ValueError for a target that cannot be found again by its name."""
+    tensors its get_attr nodes read, but for those named in `leave_out` (values a
+    later process computes itself and gives `load_graph`). Node metadata (fake
+    tensors) is left out. Raises ValueError for a target that cannot be found again
+    by its name."""
     nodes = []
     for node in gm.graph.nodes:
         target = _target_ref(node.target) if node.op == "call_function" else node.target
@@ -119,14 +135,15 @@ def dump_graph(gm: torch.fx.GraphModule) -> dict:
         except Exception as error:  # noqa: BLE001 - whatever pickle refuses, the graph cannot be stored
             raise ValueError(f"node {node.name} has an argument that cannot be stored ({error})") from None
         nodes.append((node.op, node.name, target, arguments))
-    attributes = _attributes(gm)
+    attributes = {name: value for name, value in _attributes(gm).items() if name not in leave_out}
     for name, value in attributes.items():
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"get_attr {name} reads a {type(value).__name__}; only tensor attributes can be stored")
     return {"nodes": nodes, "attributes": attributes}
 
 
-def load_graph(stored: dict) -> torch.fx.GraphModule:
+def load_graph(stored: dict, attributes: dict[str, torch.Tensor] | None = None) -> torch.fx.GraphModule:
+    """The graph `dump_graph` stored, reading `attributes` for what it left out."""
     graph = torch.fx.Graph()
     defined: dict[str, torch.fx.Node] = {}
     for op, name, target, arguments in stored["nodes"]:
@@ -134,7 +151,9 @@ def load_graph(stored: dict) -> torch.fx.GraphModule:
             arguments, lambda a: defined[a.name] if isinstance(a, _Ref) else a)
         target = _resolve(target) if op == "call_function" else target
         defined[name] = graph.create_node(op, target, tuple(args), dict(kwargs), name)
-    return torch.fx.GraphModule(dict(stored["attributes"]), graph)
+    read = {str(node.target) for node in graph.find_nodes(op="get_attr")}
+    given = {name: value for name, value in (attributes or {}).items() if name in read}
+    return torch.fx.GraphModule({**stored["attributes"], **given}, graph)
 
 
 class _Ref:
@@ -260,27 +279,27 @@ class CompileCache:
             return None
         return self._key
 
-    def store_compile(self, key: str, records: dict, graph: torch.fx.GraphModule,
-                      lowered: torch.fx.GraphModule | None = None) -> None:
+    def store_compile(self, key: str, records: dict, graph: torch.fx.GraphModule | None,
+                      lowered: torch.fx.GraphModule | None = None, leave_out: Collection[str] = ()) -> None:
         """Store a compile: its report records, its final graph (for `graphs()`, where
-        it can be stored) and, at level 1, the lowered graph that runs. Counted as a miss."""
+        it can be stored) and, at level 1, the lowered graph that runs, both without
+        the attributes named in `leave_out`. Counted as a miss."""
         self.report.cache_misses += 1
         try:
-            runs = dump_graph(lowered) if lowered is not None else None
+            runs = dump_graph(lowered, leave_out) if lowered is not None else None
         except ValueError as error:
             self.report.fallback(f"cache_dir: a graph could not be stored ({error}); it is compiled "
                                  "again in every process")
             return
         try:
-            final = dump_graph(graph)
+            final = dump_graph(graph, leave_out) if graph is not None else None
         except ValueError:
             final = None  # level 2 runs Inductor's code: only graphs() misses it on a hit
         self.store(key, {**records, "graph": final, "lowered": runs})
 
-    def restore(self, stored: dict, record: GraphRecord) -> torch.fx.GraphModule | None:
+    def restore(self, stored: dict, record: GraphRecord) -> None:
         """Report a hit as its compile was reported: the graph's record, its passes,
-        memory plan and fallbacks, renumbered as this process's graph `record.index`.
-        Returns the stored final graph, where there is one."""
+        memory plan and fallbacks, renumbered as this process's graph `record.index`."""
         report = self.report
         report.cache_hits += 1
         for name, value in stored["record"].items():
@@ -291,7 +310,6 @@ class CompileCache:
         for reason, count in stored["fallbacks"].items():
             for _ in range(count):
                 report.fallback(reason)
-        return load_graph(stored["graph"]) if stored["graph"] is not None else None
 
 
 def _parse(data: bytes, key: str, signing_key: bytes) -> Any:
