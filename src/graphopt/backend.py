@@ -53,10 +53,12 @@ def inductor_options(device_type: str, cached: bool, frozen: bool = False) -> di
     }
     if device_type == "cpu" and frozen:
         # Each GEMM on a constant weight timed with Inductor's C++ template (the weight
-        # packed for its micro-kernel) and with ATen's, the faster kept, measured in
-        # this process on this machine (not from Inductor's cache) so the report can
-        # say what was chosen (GraphRecord.gemms). docs/configuration.md has the figures.
-        options.update(max_autotune_gemm=True, max_autotune_gemm_backends="CPP,ATEN", autotune_local_cache=False)
+        # packed for its micro-kernel) and with ATen's, the faster kept; the report says
+        # what was chosen (GraphRecord.gemms). With the compile cache on, the timings are
+        # kept in Inductor's local autotune cache (by op, shapes, dtypes and strides) and a
+        # later compile reads them instead of timing again; its choices reach the report
+        # the same way. docs/configuration.md has the figures.
+        options.update(max_autotune_gemm=True, max_autotune_gemm_backends="CPP,ATEN", autotune_local_cache=cached)
     if device_type == "cpu" and not _compat.distributed_initialized():
         # A C++ wrapper instead of a Python one: the decode step of the tiny decoder
         # runs ~2x faster (100 vs 196 us at batch 1) for ~2x the compile time. It

@@ -110,8 +110,8 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     if _compat.is_fake(tensor) or tensor.device.type == "meta":
         return "fake"
     with _compat.outside_fake_mode():  # a CUDA tensor's bytes are read on the host
-        data = tensor.detach().cpu().contiguous().reshape(-1)
-    return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def _attributes(gm: torch.fx.GraphModule) -> dict[str, Any]:
@@ -239,6 +239,10 @@ class CompileCache:
             self.report.fallback(f"cache_dir: a compiled graph could not be serialised ({type(error).__name__}: "
                                  f"{error}); it is compiled again in every process")
             return
+        self.write(key, body)
+
+    def write(self, key: str, body: bytes) -> None:
+        """Write the entry `key` holding `body` (a pickle), signed with this directory's key."""
         path = self.path(key)
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -312,18 +316,26 @@ class CompileCache:
                 report.fallback(reason)
 
 
-def _parse(data: bytes, key: str, signing_key: bytes) -> Any:
+def split_entry(data: bytes, key: str) -> tuple[dict, bytes]:
+    """An entry's header and body. Raises ValueError, saying why, for an entry
+    written for another key, format, graphopt, torch, Python or CPU."""
     line, _, body = data.partition(b"\n")
     try:
         header = json.loads(line)
     except ValueError:
         raise ValueError("no graphopt cache header") from None
-    if header.get("format") != FORMAT or header.get("key") != key:
-        raise ValueError(f"written for another key or format ({header.get('key', '?')[:12]}, "
+    if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("key") != key:
+        header = header if isinstance(header, dict) else {}
+        raise ValueError(f"written for another key or format ({str(header.get('key', '?'))[:12]}, "
                          f"format {header.get('format')})")
     for name, value in versions().items():
         if header.get(name) != value:
             raise ValueError(f"written by {name} {header.get(name)}, this is {value}")
+    return header, body
+
+
+def _parse(data: bytes, key: str, signing_key: bytes) -> Any:
+    header, body = split_entry(data, key)
     if not cache_trust.verify(signing_key, key, body, header.get("hmac")):
         raise ValueError("truncated, corrupt or not written with this directory's key: its signature does not "
                          "match, so it is not unpickled")

@@ -1,7 +1,8 @@
 """The `graphopt` command line. `graphopt demo` generates tokens with the reference
 decoder at each graph_opt_level and prints their speed next to eager's; `graphopt
 bench` times named workloads for every contender (eager, torch.compile, graphopt's
-levels with and without device graphs, ONNX Runtime, OpenVINO) and writes the figures."""
+levels with and without device graphs, ONNX Runtime, OpenVINO) and writes the figures;
+`graphopt cache export|import PATH` moves the compile cache to another machine."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import math
 import shlex
 import statistics
 import sys
+import tarfile
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -20,9 +22,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from . import bench
+from . import bench, cache_transfer, cache_trust
 from .api import optimize
-from .config import GRAPH_OPT_LEVELS, GraphOptimizationConfig
+from .config import GRAPH_OPT_LEVELS, GraphOptimizationConfig, default_cache_dir
 from .models import Decoder, DecoderConfig, generate
 
 TINY = DecoderConfig.tiny()
@@ -258,7 +260,31 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                            "machine)")
     demo.add_argument("--verbose", "-v", action="store_true", help="print each level's report summary")
     _bench_parser(commands)
+    _cache_parser(commands)
     return parser, demo
+
+
+def _cache_parser(commands: argparse._SubParsersAction) -> None:
+    cache = commands.add_parser("cache", help="export or import the compile cache (docs/compile-cache.md)",
+                                description="Move compile cache entries to another machine of the same kind.")
+    cache.add_argument("action", choices=["export", "import"])
+    cache.add_argument("path", help="the archive (.tar.gz) to write or read")
+    cache.add_argument("--cache-dir", default=default_cache_dir(), help="the cache directory (default: "
+                       "$GRAPHOPT_CACHE_DIR, else ~/.cache/graphopt)")
+
+
+def _cache(args: argparse.Namespace) -> int:
+    if not args.cache_dir:
+        print("graphopt cache: no cache directory ($GRAPHOPT_CACHE_DIR is empty); give --cache-dir")
+        return 2
+    try:
+        done = (cache_transfer.export(args.cache_dir, args.path) if args.action == "export"
+                else cache_transfer.import_(args.path, args.cache_dir))
+    except (ValueError, OSError, tarfile.TarError, cache_trust.Untrusted) as error:
+        print(f"graphopt cache {args.action}: {error}")
+        return 1
+    print(f"{args.action}ed {done.moved} entries, refused {len(done.refused)} (each logged with its reason)")
+    return 0
 
 
 def _names(allowed: Sequence[str]) -> Callable[[str], list[str]]:
@@ -361,6 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if args.command == "cache":
+        return _cache(args)
     if args.command == "bench":
         if args.threads is not None:
             torch.set_num_threads(args.threads)
