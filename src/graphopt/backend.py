@@ -261,8 +261,11 @@ class Backend:
                                       frozen=self.config.freeze_parameters),
                    **self.config.inductor_compile_config}
         # With the cache on, AOTAutograd's entry holds the compiled code itself, so a
-        # stored trace can carry it (traces.py).
-        with trace_graph.bundled_inductor_cache() if key is not None else contextlib.nullcontext(), \
+        # stored trace can carry it (traces.py); a frozen graph's trace is not stored, and
+        # its code is found by Inductor's FX graph cache, which keys on the graph AOTAutograd
+        # made (AOTAutograd's own key differs between processes for a full-graph capture).
+        bundled = key is not None and not self.config.freeze_parameters
+        with trace_graph.bundled_inductor_cache() if bundled else contextlib.nullcontext(), \
                 autotune.gemm_choices() as gemms:
             compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, passes, options)
             if key is not None and not optimized and stored is None:

@@ -181,7 +181,8 @@ def written_buffers(gm: torch.fx.GraphModule, kinds: list[str]) -> set[int]:
     written = set()
     for node in gm.graph.nodes:
         name = getattr(node.target, "__name__", str(node.target))
-        if node.target is operator.setitem or (name.endswith("_") and not name.endswith("__")):
+        in_place = node.target is operator.setitem or (name.endswith("_") and not name.endswith("__"))
+        if node.op in ("call_function", "call_method") and in_place:
             base = node.args[0] if node.args else None
             while isinstance(base, torch.fx.Node) and base.op != "placeholder" and base.args:
                 base = base.args[0]
