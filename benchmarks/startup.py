@@ -23,7 +23,8 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-VARIANTS = ["torch.compile", "graphopt level 1", "graphopt level 2", "graphopt level 1 + graphs"]
+VARIANTS = ["torch.compile", "graphopt level 1", "graphopt level 2", "graphopt level 1 + graphs",
+            "graphopt level 2 frozen"]
 MODELS = ["decoder", "hf-llama"]
 BATCH, PROMPT, NEW_TOKENS = 4, 8, 4
 LATER_BATCHES, MAX_NUM_SEQS = (1, 13, 32), 32
@@ -43,7 +44,7 @@ def child(model_name: str, variant: str) -> None:
     else:
         level = int(variant.split()[2])
         options = graphopt.GraphOptimizationConfig(graph_opt_level=level, use_cudagraph=variant.endswith("graphs"),
-                                                   max_num_seqs=MAX_NUM_SEQS)
+                                                   max_num_seqs=MAX_NUM_SEQS, freeze_parameters=variant.endswith("frozen"))
         compile_fn = lambda fn: graphopt.optimize(fn, options)  # noqa: E731
     if model_name == "decoder":
         model = graphopt.models.Decoder(graphopt.models.DecoderConfig.tiny(max_num_seqs=MAX_NUM_SEQS)).eval()

@@ -209,10 +209,8 @@ def test_concurrent_writers_never_leave_a_broken_entry(tmp_path, monkeypatch):
     assert [p.name for p in entries(tmp_path)] == [key]  # no temporary file left behind
 
 
-def test_freeze_parameters_and_verify_bypass_the_cache(decoder, tmp_path):
-    _, frozen = run(decoder, tmp_path, freeze_parameters=True)
-    assert frozen.cache_misses == 0 and not entries(tmp_path)
-    assert any("freeze_parameters folds weight values" in r for r in frozen.fallbacks)
+def test_verify_bypasses_the_cache(decoder, tmp_path):
+    """Frozen graphs go through it: tests/test_cache_frozen.py."""
     _, verified = run(decoder, tmp_path, verify=True)
     assert any("verify and debug_dump_dir" in r for r in verified.fallbacks) and not entries(tmp_path)
 

@@ -33,6 +33,7 @@ from ._compat.names import RECOMPILE_LIMIT
 from .backend_cache import BackendCache, GraphSpec, NotStorable, device_type
 from .config import AUTO_LEVEL, GraphOptimizationConfig
 from .config_checks import WEIGHT_COPYING_INDUCTOR_OPTIONS
+from .inductor_options import inductor_options
 from .lowering import lower_to_bindings
 from .passes.manager import PassManager, check_pass_names
 from .repack import Repackable
@@ -41,31 +42,6 @@ from .report import GraphRecord, Report
 # Graphs each Backend may add to Dynamo's per-function recompile limit: batch size 1
 # (specialised), the dynamic graph, and recompiles after guarded changes.
 RECOMPILE_BUDGET = 8
-
-
-def inductor_options(device_type: str, cached: bool, frozen: bool = False) -> dict[str, Any]:
-    """The Inductor settings graphopt uses at level 2 (measured: docs/configuration.md)."""
-    options: dict[str, Any] = {
-        # Without graphopt's cache a hit in Inductor's would skip the passes and leave
-        # the report without them; with it, graphopt's cache holds their records.
-        "fx_graph_cache": cached,
-        **autotune.quiet_options(),
-    }
-    if device_type == "cpu" and frozen:
-        # Each GEMM on a constant weight timed with Inductor's C++ template (the weight
-        # packed for its micro-kernel) and with ATen's, the faster kept, measured in
-        # this process on this machine (not from Inductor's cache) so the report can
-        # say what was chosen (GraphRecord.gemms). docs/configuration.md has the figures.
-        options.update(max_autotune_gemm=True, max_autotune_gemm_backends="CPP,ATEN", autotune_local_cache=False)
-    if device_type == "cpu" and not _compat.distributed_initialized():
-        # A C++ wrapper instead of a Python one: the decode step of the tiny decoder
-        # runs ~2x faster (100 vs 196 us at batch 1) for ~2x the compile time. It
-        # cannot call c10d's collectives, so a process with a process group goes without.
-        options["cpp_wrapper"] = True
-    if device_type == "cuda":
-        # graphopt's GraphRunner owns device graphs; Inductor's own would nest inside it.
-        options["triton.cudagraphs"] = False
-    return options
 
 
 class Backend:
@@ -233,21 +209,22 @@ class Backend:
                                   "grad) is compiled without the compile cache")
             key = None
         stored = self.cache.load(key)
-        if stored is not None and stored["direct"] is not None:
-            self._restore(stored, record)
-            return compat_cache.call_like_aot(cache.load_graph(stored["lowered"]), stored["direct"])
+        graphs = self.cache.graphs(stored, real_inputs, kinds)  # frozen values folded from this process's weights
+        if graphs is not None and stored["direct"] is not None:
+            self._restore(stored, record, graphs[1])
+            return compat_cache.call_like_aot(graphs[0], stored["direct"])
 
         direct: list[Callable] = []
 
         def fw_compiler(aot_gm: torch.fx.GraphModule, _fake_inputs: list) -> Callable:
-            if stored is not None:
-                self._restore(stored, record)
-                return _compat.boxed(cache.load_graph(stored["lowered"]))
+            if graphs is not None:
+                self._restore(stored, record, graphs[1])
+                return _compat.boxed(graphs[0])
             records = self._optimize(aot_gm, record, real_inputs, kinds, level=1)
             lowered = lower_to_bindings(aot_gm)
             graph_inputs = len(aot_gm.graph.find_nodes(op="placeholder"))
             dims = compat_cache.aot_wrapper_output_dims(graph_inputs, len(example_inputs), inference)
-            self.cache.store(key, {**records, "direct": dims}, aot_gm, lowered)
+            self.cache.store(key, {**records, "direct": dims}, aot_gm, lowered, real_inputs)
             if dims is not None:
                 direct.append(compat_cache.call_like_aot(lowered, dims))
             return _compat.boxed(lowered)
@@ -258,7 +235,11 @@ class Backend:
     def _compile_inductor(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], record: GraphRecord,
                           real_inputs: list, kinds: list[str], key: str | None) -> Callable:
         """Level 2. Inductor's own caches hold the compiled code; graphopt's holds the
-        records of the passes, which a hit in Inductor's cache skips."""
+        records of the passes, which a hit in Inductor's cache skips, and the GEMM
+        choices, which it does not make. With frozen weights both are keyed on their values."""
+        passes, covered = self.cache.pass_uuid(2), None
+        if key is not None and self.config.freeze_parameters:
+            key, passes, covered = self.cache.frozen_keys(key, gm, real_inputs, kinds)
         stored = self.cache.load(key)
         optimized: list[tuple[torch.fx.GraphModule, dict]] = []
 
@@ -267,28 +248,34 @@ class Backend:
 
         autotune.hide_inductor_storage_warning()
         autotune.hide_cuda_home_warning()
-        uuid = self.cache.pass_uuid(2)
         options = {**inductor_options(device_type(real_inputs), cached=key is not None,
                                       frozen=self.config.freeze_parameters),
                    **self.config.inductor_compile_config}
         # With the cache on, AOTAutograd's entry holds the compiled code itself, so a
-        # stored trace can carry it (traces.py).
-        with trace_graph.bundled_inductor_cache() if key is not None else contextlib.nullcontext(), \
+        # stored trace can carry it (traces.py); a frozen graph's trace is not stored, and
+        # its code is found by Inductor's FX graph cache, which keys on the graph AOTAutograd
+        # made (AOTAutograd's own key differs between processes for a full-graph capture).
+        bundled = key is not None and not self.config.freeze_parameters
+        with trace_graph.bundled_inductor_cache() if bundled else contextlib.nullcontext(), \
                 autotune.gemm_choices() as gemms:
-            compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, uuid, options)
+            compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, passes, options)
             if key is not None and not optimized and stored is None:
                 # Inductor's cache had the code but graphopt's records are gone: compile once more for them.
                 options["force_disable_caches"] = True
-                compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, uuid, options)
+                compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, passes, options)
         record.gemms = gemms
         if optimized:
-            self.cache.store(key, {**optimized[-1][1], "direct": None}, optimized[-1][0])
+            records = optimized[-1][1]
+            records["record"]["gemms"] = dict(gemms)
+            self.cache.store(key, {**records, "direct": None}, optimized[-1][0], inputs=real_inputs, covered=covered)
         elif stored is not None:
             self._restore(stored, record)
-        if self.config.freeze_parameters and any(options.get(k) for k in WEIGHT_COPYING_INDUCTOR_OPTIONS):
+        # Code from Inductor's cache holds its own copies of frozen weights, as do some options' code.
+        renews = not optimized or any(options.get(k) for k in WEIGHT_COPYING_INDUCTOR_OPTIONS)
+        if self.config.freeze_parameters and renews:
             # Without Inductor's caches a second compile takes its copies of the weights anew.
             again = functools.partial(_compat.inductor_compile, gm, example_inputs, post_grad_pass,
-                                      uuid, {**options, "force_disable_caches": True})
+                                      passes, {**options, "force_disable_caches": True})
             compiled = Repackable(compiled, again, optimized, self.graph_modules, self._report)
             self.repackables.append(compiled)
         return compiled
@@ -303,7 +290,9 @@ class Backend:
             return trace_graph.TraceGraph(None, runtime, why=spec)
         entry = self.cache.load(spec.key)
         why = None
-        if entry is None:
+        if self.config.freeze_parameters:
+            why = "freeze_parameters binds the weights of the process that compiles a graph"
+        elif entry is None:
             why = "its graph could not be stored in the compile cache"
         elif spec.level == 1 and entry["direct"] is None:
             why = "AOTAutograd's runtime wrapper does more than call its graph"
@@ -323,6 +312,8 @@ class Backend:
         stored = self.cache.load(spec.key)
         if stored is None or (spec.level == 1 and stored["lowered"] is None):
             raise NotStorable(f"its graph ({spec.key[:12]}) is no longer in the compile cache")
+        if "frozen" in stored:
+            raise NotStorable("its graph binds the weights of the process that compiles it")
         record = GraphRecord(index=len(self._report.graphs))
         self._report.graphs.append(record)
         start = time.perf_counter()
@@ -346,8 +337,10 @@ class Backend:
         self.graph_modules.append(gm)
         return records
 
-    def _restore(self, stored: dict, record: GraphRecord) -> None:
-        graph = self.cache.restore(stored, record)
+    def _restore(self, stored: dict, record: GraphRecord, graph: torch.fx.GraphModule | None = None) -> None:
+        """The stored records into `record`; `graph` (else the stored final graph) to what refresh() folds."""
+        self.cache.restore(stored, record)
+        graph = self.cache.final_graph(stored) if graph is None else graph
         if graph is not None:
             self.graph_modules.append(graph)
 

@@ -1,18 +1,34 @@
 """What of a Backend's work goes through the compile cache (`cache.py`): whether its
 graphs may be stored at all, their keys, the records stored beside them, and the spec a
-later process builds a stored trace's graph from (`GraphSpec`)."""
+later process builds a stored trace's graph from (`GraphSpec`).
+
+Frozen graphs (freeze_parameters=True) are stored without the weights:
+
+    level 1: entry = the graphs with every value folded from frozen parameters left
+             out, and per value its recipe (constant_fold.py); a later process
+             recomputes the values from its own weights (`bind`)
+    level 2: Inductor bakes the folded and packed weights into its compiled code, so
+             both caches are keyed on the weights' values as well (`frozen_keys`)
+
+A folded value a pass may have read to decide a rewrite (a small one: a fill value;
+an integral one: an index range) is stored as a digest, and an entry whose values
+recompute differently is compiled again, never loaded.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import operator
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 import torch.fx
 
-from . import cache
+from . import _compat, cache
 from .config import GraphOptimizationConfig
+from .passes.constant_fold import FOLDED_RECIPES, FROZEN_INPUTS
 from .passes.fusion.replacement import USER_PATTERNS, Unkeyable
 from .report import GraphRecord, Report
 
@@ -27,6 +43,11 @@ class GraphSpec:
     signature: Any = None            # with device graphs: the GraphRunner's Signature
     inductor: bytes | None = None    # level 2: Inductor's compiled graph, serialized
     passes: str | None = None        # BackendCache.pass_uuid() it was compiled under
+
+
+# Passes read constants up to this many elements for their values (algebraic.py's fill values).
+READ_NUMEL = 4096
+WEIGHT_KINDS = ("parameter", "buffer")
 
 
 class NotStorable(Exception):
@@ -48,8 +69,6 @@ class BackendCache:
         config = self.config
         if self.disk is None:
             return "the compile cache is off (cache_dir=None)"
-        if config.freeze_parameters:
-            return "freeze_parameters folds weight values into the graph"
         if config.verify or config.debug_dump_dir:
             return "verify and debug_dump_dir ask for every pass to run"
         try:
@@ -75,13 +94,64 @@ class BackendCache:
         return None if key is None else self.disk.load(key)
 
     def store(self, key: str | None, records: dict, graph: torch.fx.GraphModule,
-              lowered: torch.fx.GraphModule | None = None) -> None:
-        if key is not None:
+              lowered: torch.fx.GraphModule | None = None, inputs: list | None = None,
+              covered: set[int] | None = None) -> None:
+        """Store a compile. With frozen weights, `inputs` (the graph's real inputs) and,
+        at level 2, `covered` (the indices of those the key covers) say where they are."""
+        if key is None:
+            return
+        if not self.config.freeze_parameters:
             self.disk.store_compile(key, records, graph, lowered)
+            return
+        try:
+            if lowered is None:  # level 2 keeps no graph: only graphs() misses it on a hit
+                _check_covered(graph, inputs or [], covered or set())
+                self.disk.store_compile(key, records, None)
+                return
+            frozen = frozen_entry(graph, inputs or [])
+        except ValueError as error:
+            self.report.cache_misses += 1
+            self.report.fallback(f"cache_dir: a frozen graph could not be stored ({error}); it is compiled "
+                                 "again in every process")
+            return
+        self.disk.store_compile(key, {**records, "frozen": frozen}, graph, lowered, leave_out=frozen["values"])
 
-    def restore(self, stored: dict, record: GraphRecord) -> Any:
-        """The stored records into `record`; the stored graph, if any."""
-        return self.disk.restore(stored, record)
+    def graphs(self, stored: dict | None, inputs: list,
+               kinds: list[str]) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule | None] | None:
+        """A level-1 entry's lowered and final graphs, the frozen values folded again
+        from `inputs`; None without an entry or where the values differ from what the
+        passes read (then reported: the graph is compiled again)."""
+        if stored is None:
+            return None
+        if "frozen" not in stored:
+            return cache.load_graph(stored["lowered"]), self.final_graph(stored)
+        bound = bind(stored, inputs, kinds)
+        if isinstance(bound, str):
+            self.report.fallback(f"cache_dir: a stored frozen graph is compiled again: {bound}")
+            return None
+        return bound
+
+    def restore(self, stored: dict, record: GraphRecord) -> None:
+        """The stored records into `record`."""
+        self.disk.restore(stored, record)
+
+    @staticmethod
+    def final_graph(stored: dict) -> torch.fx.GraphModule | None:
+        """The stored final graph; none for a frozen one, whose values `graphs` folds."""
+        return cache.load_graph(stored["graph"]) if stored["graph"] is not None and "frozen" not in stored else None
+
+    def frozen_keys(self, key: str, gm: torch.fx.GraphModule, inputs: list,
+                    kinds: list[str]) -> tuple[str, str, set[int]]:
+        """Level 2 with frozen weights: `key` and the passes' uuid Inductor keys on, both
+        covering the values of every parameter and of every buffer the Dynamo graph
+        `gm` does not write (a KV cache changes every step), which Inductor's code may
+        hold; and the indices of the inputs they cover."""
+        lifted = len(inputs) - len(gm.graph.find_nodes(op="placeholder"))  # _aot_args' own parameters
+        written = {lifted + i for i in written_buffers(gm, kinds[lifted:])}
+        covered = [i for i in weight_indices(inputs, kinds) if i not in written]
+        digest = hashlib.sha256("".join(f"{i}:{cache.tensor_digest(inputs[i])};" for i in covered).encode())
+        return (cache.cache_key(key, digest.hexdigest()), cache.cache_key(self.pass_uuid(2), digest.hexdigest()),
+                set(covered))
 
     def store_choice(self, key: str | None, choice: dict) -> None:
         """graph_opt_level="auto": the level chosen for the graph of `key`, with its figures."""
@@ -111,3 +181,82 @@ class BackendCache:
         except Unkeyable:
             return ""
         return cache.cache_key(json.dumps(fields, sort_keys=True), patterns)
+
+
+def weight_indices(inputs: list, kinds: list[str]) -> list[int]:
+    """The inputs a frozen key may cover: real tensors that are parameters or buffers."""
+    return [i for i, (x, kind) in enumerate(zip(inputs, kinds))
+            if kind in WEIGHT_KINDS and isinstance(x, torch.Tensor) and not _compat.is_fake(x)]
+
+
+def written_buffers(gm: torch.fx.GraphModule, kinds: list[str]) -> set[int]:
+    """The buffers a Dynamo graph writes in place (`cache[slots] = k`, `cache.copy_(...)`),
+    found through the views of them it writes: their values are not the code's."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    written = set()
+    for node in gm.graph.nodes:
+        name = getattr(node.target, "__name__", str(node.target))
+        in_place = node.target is operator.setitem or (name.endswith("_") and not name.endswith("__"))
+        if node.op in ("call_function", "call_method") and in_place:
+            base = node.args[0] if node.args else None
+            while isinstance(base, torch.fx.Node) and base.op != "placeholder" and base.args:
+                base = base.args[0]
+            if isinstance(base, torch.fx.Node) and base in placeholders:
+                written.add(placeholders.index(base))
+    return {i for i in written if i < len(kinds) and kinds[i] == "buffer"}
+
+
+def frozen_entry(graph: torch.fx.GraphModule, inputs: list) -> dict:
+    """What a later process needs to fold a frozen graph's values from its own weights:
+    where each frozen input is among the graph's inputs, each folded value's recipe
+    (in folding order, without the values it reads), and the digests of the values a
+    pass may have read. Raises ValueError where a recipe cannot be stored."""
+    frozen, recipes = graph.meta.get(FROZEN_INPUTS, {}), graph.meta.get(FOLDED_RECIPES, {})
+    places = {}
+    for name, value in frozen.items():
+        places[name] = next((i for i, x in enumerate(inputs) if x is value), None)
+        if places[name] is None:
+            raise ValueError(f"its frozen input {name} is not one of the graph's inputs")
+    read = {name: cache.tensor_digest(getattr(graph, name)) for name in recipes
+            if _may_be_read(getattr(graph, name))}
+    return {"inputs": places, "values": list(recipes), "read": read,
+            "recipes": [(name, cache.dump_graph(recipe, recipes)) for name, recipe in recipes.items()]}
+
+
+def _check_covered(graph: torch.fx.GraphModule, inputs: list, covered: set[int]) -> None:
+    """Raise ValueError where a value folded into `graph` reads an input the key does not cover."""
+    frozen = graph.meta.get(FROZEN_INPUTS, {})
+    for name, recipe in graph.meta.get(FOLDED_RECIPES, {}).items():
+        for placeholder in recipe.graph.find_nodes(op="placeholder"):
+            value = frozen.get(placeholder.target)
+            if not any(x is value and i in covered for i, x in enumerate(inputs)):
+                raise ValueError(f"its folded value {name} reads {placeholder.target}, which the Dynamo graph "
+                                 "seems to write, so its key leaves it out")
+
+
+def _may_be_read(value: torch.Tensor) -> bool:
+    return value.layout == torch.strided and (value.numel() <= READ_NUMEL or not value.dtype.is_floating_point)
+
+
+def bind(stored: dict, inputs: list, kinds: list[str]) -> tuple[torch.fx.GraphModule, Any] | str:
+    """The stored level-1 graphs with their folded values computed from `inputs`, and
+    the final graph set up for refresh(); or why the entry does not fit them."""
+    frozen = stored["frozen"]
+    if any(i >= len(inputs) or kinds[i] not in WEIGHT_KINDS for i in frozen["inputs"].values()):
+        return "an input it froze is not a parameter or buffer here"
+    weights = {name: inputs[i] for name, i in frozen["inputs"].items()}
+    values: dict[str, torch.Tensor] = {}
+    recipes: dict[str, torch.fx.GraphModule] = {}
+    # Outside inference mode: refresh() updates the values in place later.
+    with _compat.outside_fake_mode(), torch.inference_mode(False), torch.no_grad():
+        for name, dumped in frozen["recipes"]:
+            recipe = recipes[name] = cache.load_graph(dumped, values)
+            values[name] = recipe(*[weights[p.target] for p in recipe.graph.find_nodes(op="placeholder")])
+    changed = [name for name, digest in frozen["read"].items() if cache.tensor_digest(values[name]) != digest]
+    if changed:
+        return (f"its folded value {changed[0]} differs from the one the passes read when it was compiled "
+                "(the weights changed)")
+    final = cache.load_graph(stored["graph"], values) if stored["graph"] is not None else None
+    if final is not None:
+        final.meta[FROZEN_INPUTS], final.meta[FOLDED_RECIPES] = weights, recipes
+    return cache.load_graph(stored["lowered"], values), final

@@ -26,10 +26,11 @@ import hashlib
 import json
 import os
 import pickle
+import platform
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import torch
 import torch.fx
@@ -51,7 +52,20 @@ def versions() -> dict[str, str]:
     for path in sorted(Path(__file__).parent.rglob("*.py")):
         digest.update(path.read_bytes())
     return {"graphopt": digest.hexdigest()[:16], "torch": torch.__version__,
-            "python": f"{sys.version_info[0]}.{sys.version_info[1]}"}
+            "python": f"{sys.version_info[0]}.{sys.version_info[1]}", "cpu": cpu_model()}
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_model() -> str:
+    """The CPU an entry is valid for: level 2's C++ code is built for its vector
+    instructions and its GEMM choices were timed on it."""
+    name = ""
+    try:
+        with open("/proc/cpuinfo") as info:
+            name = next((line.partition(":")[2].strip() for line in info if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return f"{name or platform.processor() or platform.machine()} ({torch.backends.cpu.get_cpu_capability()})"
 
 
 def cache_key(*parts: str) -> str:
@@ -96,8 +110,8 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     if _compat.is_fake(tensor) or tensor.device.type == "meta":
         return "fake"
     with _compat.outside_fake_mode():  # a CUDA tensor's bytes are read on the host
-        data = tensor.detach().cpu().contiguous().reshape(-1)
-    return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def _attributes(gm: torch.fx.GraphModule) -> dict[str, Any]:
@@ -106,10 +120,12 @@ def _attributes(gm: torch.fx.GraphModule) -> dict[str, Any]:
             for node in gm.graph.find_nodes(op="get_attr")}
 
 
-def dump_graph(gm: torch.fx.GraphModule) -> dict:
+def dump_graph(gm: torch.fx.GraphModule, leave_out: Collection[str] = ()) -> dict:
     """A picklable form of `gm`: its nodes in order, each target by name, and the
-    tensors its get_attr nodes read. Node metadata (fake tensors) is left out.
-    Raises ValueError for a target that cannot be found again by its name."""
+    tensors its get_attr nodes read, but for those named in `leave_out` (values a
+    later process computes itself and gives `load_graph`). Node metadata (fake
+    tensors) is left out. Raises ValueError for a target that cannot be found again
+    by its name."""
     nodes = []
     for node in gm.graph.nodes:
         target = _target_ref(node.target) if node.op == "call_function" else node.target
@@ -119,14 +135,15 @@ def dump_graph(gm: torch.fx.GraphModule) -> dict:
         except Exception as error:  # noqa: BLE001 - whatever pickle refuses, the graph cannot be stored
             raise ValueError(f"node {node.name} has an argument that cannot be stored ({error})") from None
         nodes.append((node.op, node.name, target, arguments))
-    attributes = _attributes(gm)
+    attributes = {name: value for name, value in _attributes(gm).items() if name not in leave_out}
     for name, value in attributes.items():
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"get_attr {name} reads a {type(value).__name__}; only tensor attributes can be stored")
     return {"nodes": nodes, "attributes": attributes}
 
 
-def load_graph(stored: dict) -> torch.fx.GraphModule:
+def load_graph(stored: dict, attributes: dict[str, torch.Tensor] | None = None) -> torch.fx.GraphModule:
+    """The graph `dump_graph` stored, reading `attributes` for what it left out."""
     graph = torch.fx.Graph()
     defined: dict[str, torch.fx.Node] = {}
     for op, name, target, arguments in stored["nodes"]:
@@ -134,7 +151,9 @@ def load_graph(stored: dict) -> torch.fx.GraphModule:
             arguments, lambda a: defined[a.name] if isinstance(a, _Ref) else a)
         target = _resolve(target) if op == "call_function" else target
         defined[name] = graph.create_node(op, target, tuple(args), dict(kwargs), name)
-    return torch.fx.GraphModule(dict(stored["attributes"]), graph)
+    read = {str(node.target) for node in graph.find_nodes(op="get_attr")}
+    given = {name: value for name, value in (attributes or {}).items() if name in read}
+    return torch.fx.GraphModule({**stored["attributes"], **given}, graph)
 
 
 class _Ref:
@@ -220,6 +239,10 @@ class CompileCache:
             self.report.fallback(f"cache_dir: a compiled graph could not be serialised ({type(error).__name__}: "
                                  f"{error}); it is compiled again in every process")
             return
+        self.write(key, body)
+
+    def write(self, key: str, body: bytes) -> None:
+        """Write the entry `key` holding `body` (a pickle), signed with this directory's key."""
         path = self.path(key)
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -260,27 +283,27 @@ class CompileCache:
             return None
         return self._key
 
-    def store_compile(self, key: str, records: dict, graph: torch.fx.GraphModule,
-                      lowered: torch.fx.GraphModule | None = None) -> None:
+    def store_compile(self, key: str, records: dict, graph: torch.fx.GraphModule | None,
+                      lowered: torch.fx.GraphModule | None = None, leave_out: Collection[str] = ()) -> None:
         """Store a compile: its report records, its final graph (for `graphs()`, where
-        it can be stored) and, at level 1, the lowered graph that runs. Counted as a miss."""
+        it can be stored) and, at level 1, the lowered graph that runs, both without
+        the attributes named in `leave_out`. Counted as a miss."""
         self.report.cache_misses += 1
         try:
-            runs = dump_graph(lowered) if lowered is not None else None
+            runs = dump_graph(lowered, leave_out) if lowered is not None else None
         except ValueError as error:
             self.report.fallback(f"cache_dir: a graph could not be stored ({error}); it is compiled "
                                  "again in every process")
             return
         try:
-            final = dump_graph(graph)
+            final = dump_graph(graph, leave_out) if graph is not None else None
         except ValueError:
             final = None  # level 2 runs Inductor's code: only graphs() misses it on a hit
         self.store(key, {**records, "graph": final, "lowered": runs})
 
-    def restore(self, stored: dict, record: GraphRecord) -> torch.fx.GraphModule | None:
+    def restore(self, stored: dict, record: GraphRecord) -> None:
         """Report a hit as its compile was reported: the graph's record, its passes,
-        memory plan and fallbacks, renumbered as this process's graph `record.index`.
-        Returns the stored final graph, where there is one."""
+        memory plan and fallbacks, renumbered as this process's graph `record.index`."""
         report = self.report
         report.cache_hits += 1
         for name, value in stored["record"].items():
@@ -291,21 +314,28 @@ class CompileCache:
         for reason, count in stored["fallbacks"].items():
             for _ in range(count):
                 report.fallback(reason)
-        return load_graph(stored["graph"]) if stored["graph"] is not None else None
 
 
-def _parse(data: bytes, key: str, signing_key: bytes) -> Any:
+def split_entry(data: bytes, key: str) -> tuple[dict, bytes]:
+    """An entry's header and body. Raises ValueError, saying why, for an entry
+    written for another key, format, graphopt, torch, Python or CPU."""
     line, _, body = data.partition(b"\n")
     try:
         header = json.loads(line)
     except ValueError:
         raise ValueError("no graphopt cache header") from None
-    if header.get("format") != FORMAT or header.get("key") != key:
-        raise ValueError(f"written for another key or format ({header.get('key', '?')[:12]}, "
+    if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("key") != key:
+        header = header if isinstance(header, dict) else {}
+        raise ValueError(f"written for another key or format ({str(header.get('key', '?'))[:12]}, "
                          f"format {header.get('format')})")
     for name, value in versions().items():
         if header.get(name) != value:
             raise ValueError(f"written by {name} {header.get(name)}, this is {value}")
+    return header, body
+
+
+def _parse(data: bytes, key: str, signing_key: bytes) -> Any:
+    header, body = split_entry(data, key)
     if not cache_trust.verify(signing_key, key, body, header.get("hmac")):
         raise ValueError("truncated, corrupt or not written with this directory's key: its signature does not "
                          "match, so it is not unpickled")

@@ -1,7 +1,8 @@
 """The `graphopt` command line. `graphopt demo` generates tokens with the reference
 decoder at each graph_opt_level and prints their speed next to eager's; `graphopt
 bench` times named workloads for every contender (eager, torch.compile, graphopt's
-levels with and without device graphs, ONNX Runtime, OpenVINO) and writes the figures."""
+levels with and without device graphs, ONNX Runtime, OpenVINO) and writes the figures;
+`graphopt cache export|import PATH` moves the compile cache to another machine."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import math
 import shlex
 import statistics
 import sys
+import tarfile
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -20,10 +22,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from . import bench
+from . import bench, cache_transfer, cache_trust
 from .bench import zoo
 from .api import optimize
-from .config import GRAPH_OPT_LEVELS, GraphOptimizationConfig
+from .cli_args import int_in, int_list, names
+from .config import GRAPH_OPT_LEVELS, GraphOptimizationConfig, default_cache_dir
 from .models import Decoder, DecoderConfig, generate
 
 TINY = DecoderConfig.tiny()
@@ -208,28 +211,6 @@ def _demo(args: argparse.Namespace) -> int:
     return 1 if differ else 0
 
 
-def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
-    """An argparse type; argparse prefixes its errors with the option's name."""
-    allowed = f"an integer in {low}..{high}" if high is not None else f"an integer >= {low}"
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {allowed}, got {text!r}") from None
-        if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"expected {allowed}, got {value}")
-        return value
-
-    return parse
-
-
-def _int_list(low: int, high: int) -> Callable[[str], list[int]]:
-    """Comma-separated integers, each in low..high; duplicates dropped (they would only repeat rows)."""
-    item = _int_in(low, high)
-    return lambda text: list(dict.fromkeys(item(part.strip()) for part in text.split(",")))
-
-
 def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The `graphopt` parser and its `demo` subparser (whose errors print demo's usage)."""
     parser = argparse.ArgumentParser(
@@ -239,40 +220,51 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                                description="Greedy generation with the tiny reference decoder, eager "
                                            "and optimized at each graph_opt_level: tokens/s, warm-up "
                                            "(compile) time, graphs, and whether tokens equal eager's.")
-    demo.add_argument("--levels", type=_int_list(min(GRAPH_OPT_LEVELS), max(GRAPH_OPT_LEVELS)),
+    demo.add_argument("--levels", type=int_list(min(GRAPH_OPT_LEVELS), max(GRAPH_OPT_LEVELS)),
                       default=list(GRAPH_OPT_LEVELS), metavar="L,...",
                       help="graph_opt_levels to run (default: 0,1,2)")
-    demo.add_argument("--device-graphs", type=_int_list(min(GRAPH_OPT_LEVELS), max(GRAPH_OPT_LEVELS)),
+    demo.add_argument("--device-graphs", type=int_list(min(GRAPH_OPT_LEVELS), max(GRAPH_OPT_LEVELS)),
                       default=[0, 1], metavar="L,...",
                       help="levels to run again with device graphs (host graphs on CPU; default: 0,1)")
-    demo.add_argument("--batch-sizes", type=_int_list(1, TINY.max_num_seqs), default=[1, 4, 16],
+    demo.add_argument("--batch-sizes", type=int_list(1, TINY.max_num_seqs), default=[1, 4, 16],
                       metavar="B,...", help=f"batch sizes in 1..{TINY.max_num_seqs}, the decoder's "
                                             "max_num_seqs (default: 1,4,16)")
-    demo.add_argument("--prompt-len", type=_int_in(1), default=8, metavar="T",
+    demo.add_argument("--prompt-len", type=int_in(1), default=8, metavar="T",
                       help="prompt tokens per sequence (default: 8)")
-    demo.add_argument("--new-tokens", type=_int_in(1), default=32, metavar="N",
+    demo.add_argument("--new-tokens", type=int_in(1), default=32, metavar="N",
                       help="tokens to generate per sequence (default: 32)")
-    demo.add_argument("--repeats", type=_int_in(1), default=5, metavar="R",
+    demo.add_argument("--repeats", type=int_in(1), default=5, metavar="R",
                       help="interleaved timed rounds per row; the median counts (default: 5)")
-    demo.add_argument("--threads", type=_int_in(1), default=1, metavar="N",
+    demo.add_argument("--threads", type=int_in(1), default=1, metavar="N",
                       help="torch threads, fixed for every variant (default: 1, the steadiest on a shared "
                            "machine)")
     demo.add_argument("--verbose", "-v", action="store_true", help="print each level's report summary")
     _bench_parser(commands)
+    _cache_parser(commands)
     return parser, demo
 
 
-def _names(allowed: Sequence[str]) -> Callable[[str], list[str]]:
-    """Comma-separated names, each one of `allowed`; duplicates dropped."""
-    def parse(text: str) -> list[str]:
-        names = list(dict.fromkeys(part.strip() for part in text.split(",")))
-        wrong = [name for name in names if name not in allowed]
-        if wrong:
-            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, wrong))}; choose from "
-                                             f"{', '.join(allowed)}")
-        return names
+def _cache_parser(commands: argparse._SubParsersAction) -> None:
+    cache = commands.add_parser("cache", help="export or import the compile cache (docs/compile-cache.md)",
+                                description="Move compile cache entries to another machine of the same kind.")
+    cache.add_argument("action", choices=["export", "import"])
+    cache.add_argument("path", help="the archive (.tar.gz) to write or read")
+    cache.add_argument("--cache-dir", default=default_cache_dir(), help="the cache directory (default: "
+                       "$GRAPHOPT_CACHE_DIR, else ~/.cache/graphopt)")
 
-    return parse
+
+def _cache(args: argparse.Namespace) -> int:
+    if not args.cache_dir:
+        print("graphopt cache: no cache directory ($GRAPHOPT_CACHE_DIR is empty); give --cache-dir")
+        return 2
+    try:
+        done = (cache_transfer.export(args.cache_dir, args.path) if args.action == "export"
+                else cache_transfer.import_(args.path, args.cache_dir))
+    except (ValueError, OSError, tarfile.TarError, cache_trust.Untrusted) as error:
+        print(f"graphopt cache {args.action}: {error}")
+        return 1
+    print(f"{args.action}ed {done.moved} entries, refused {len(done.refused)} (each logged with its reason)")
+    return 0
 
 
 def _bench_parser(commands: argparse._SubParsersAction) -> None:
@@ -285,18 +277,18 @@ def _bench_parser(commands: argparse._SubParsersAction) -> None:
                     "timed in interleaved rounds in one process, every output checked against eager's; "
                     "start-up (cold and warm) and peak memory in fresh processes.")
     usual = [w for w in bench.WORKLOADS if w not in bench.LARGE]
-    parser.add_argument("--workloads", type=_names([*bench.WORKLOADS, "zoo", *zoo.ZOO]), default=None,
+    parser.add_argument("--workloads", type=names([*bench.WORKLOADS, "zoo", *zoo.ZOO]), default=None,
                         metavar="W,...", help=f"workloads to run: {', '.join(bench.WORKLOADS)}, or zoo: timm and "
                                               f"transformers models with random weights (default: "
                                               f"{', '.join(usual)}, and with --large the large ones)")
-    parser.add_argument("--models", type=_names(zoo.MODELS), default=None, metavar="M,...",
+    parser.add_argument("--models", type=names(zoo.MODELS), default=None, metavar="M,...",
                         help=f"the zoo's models to run (implies --workloads zoo): {', '.join(zoo.MODELS)} "
                              "(default: all); pip install 'graphopt[zoo]' first")
     parser.add_argument("--large", action="store_true",
                         help=f"without --workloads, run the large workloads too ({', '.join(bench.LARGE)}): a "
                              "ResNet-18, a BERT-base-sized encoder and two serving traces of 3000 decode steps, "
                              "minutes each at one thread")
-    parser.add_argument("--contenders", type=_names(keys), default=None, metavar="C,...",
+    parser.add_argument("--contenders", type=names(keys), default=None, metavar="C,...",
                         help=f"contenders to run: {', '.join(keys)} (default: all but "
                              f"{', '.join(bench.OPT_IN)}; compile-ro is CUDA only; for the zoo: "
                              f"{', '.join(zoo.CONTENDERS)})")
@@ -310,7 +302,7 @@ def _bench_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--profile", action="store_true",
                         help="also break each contender's time down by op class (conv, GEMM, norm, attention, "
                              "elementwise, outside ops): torch's profiler, and ONNX Runtime's own")
-    parser.add_argument("--rounds", type=_int_in(1), default=None, metavar="R",
+    parser.add_argument("--rounds", type=int_in(1), default=None, metavar="R",
                         help="interleaved timing rounds per case (default: 10, 2 with --quick)")
     parser.add_argument("--startup", action=argparse.BooleanOptionalAction, default=None,
                         help="measure cold and warm start-up and peak memory in fresh processes "
@@ -318,7 +310,7 @@ def _bench_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                         help="run each contender (with eager) in a process of its own, so a crash loses only "
                              "its rows (default: on with --device cuda, off on the CPU)")
-    parser.add_argument("--threads", type=_int_in(1), default=None, metavar="N",
+    parser.add_argument("--threads", type=int_in(1), default=None, metavar="N",
                         help="torch threads (default: torch's choice; 1 is steadiest on a shared machine)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/bench"), metavar="DIR",
                         help="where bench.json and bench.png go (default: benchmarks/out/bench)")
@@ -383,6 +375,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if args.command == "cache":
+        return _cache(args)
     if args.command == "bench":
         if args.threads is not None:
             torch.set_num_threads(args.threads)

@@ -1,0 +1,36 @@
+"""The Inductor settings graphopt compiles level 2 with, each with the measurement or
+the reason behind it; the user's `inductor_compile_config` goes on top of them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import _compat
+from ._compat import autotune
+
+
+def inductor_options(device_type: str, cached: bool, frozen: bool = False) -> dict[str, Any]:
+    """The Inductor settings graphopt uses at level 2 (measured: docs/configuration.md)."""
+    options: dict[str, Any] = {
+        # Without graphopt's cache a hit in Inductor's would skip the passes and leave
+        # the report without them; with it, graphopt's cache holds their records.
+        "fx_graph_cache": cached,
+        **autotune.quiet_options(),
+    }
+    if device_type == "cpu" and frozen:
+        # Each GEMM on a constant weight timed with Inductor's C++ template (the weight
+        # packed for its micro-kernel) and with ATen's, the faster kept; the report says
+        # what was chosen (GraphRecord.gemms). With the compile cache on, the timings are
+        # kept in Inductor's local autotune cache (by op, shapes, dtypes and strides) and a
+        # later compile reads them instead of timing again; its choices reach the report
+        # the same way. docs/configuration.md has the figures.
+        options.update(max_autotune_gemm=True, max_autotune_gemm_backends="CPP,ATEN", autotune_local_cache=cached)
+    if device_type == "cpu" and not _compat.distributed_initialized():
+        # A C++ wrapper instead of a Python one: the decode step of the tiny decoder
+        # runs ~2x faster (100 vs 196 us at batch 1) for ~2x the compile time. It
+        # cannot call c10d's collectives, so a process with a process group goes without.
+        options["cpp_wrapper"] = True
+    if device_type == "cuda":
+        # graphopt's GraphRunner owns device graphs; Inductor's own would nest inside it.
+        options["triton.cudagraphs"] = False
+    return options

@@ -1,0 +1,194 @@
+"""Frozen graphs (freeze_parameters=True) in the compile cache: a second start loads
+them, folds their constants from its own weights (never from the first start's),
+and a changed weight never gives a stale answer; cache export and import between
+two directories, refusing entries another torch wrote. A "start" is a fresh
+optimized step after `torch._dynamo.reset()`, or a subprocess where two start at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tarfile
+import textwrap
+
+import pytest
+import torch
+import torch._dynamo
+
+import graphopt
+from graphopt import cache, cache_transfer, cli
+from graphopt.config import tolerance
+from graphopt.models import generate
+from support import cache_entries as entries
+
+PROMPTS = torch.randint(500, (3, 6), generator=torch.Generator().manual_seed(0))
+
+
+def start(model, cache_dir, **config):
+    torch._dynamo.reset()
+    cfg = graphopt.GraphOptimizationConfig(**{"cache_dir": str(cache_dir), "use_cudagraph": False,
+                                              "freeze_parameters": True, **config})
+    return graphopt.optimize(model, cfg, pad_values={"slots": model.scratch_slot} if hasattr(model, "scratch_slot")
+                             else None)
+
+
+def generated(decoder, cache_dir, **config):
+    step = start(decoder, cache_dir, **config)
+    return generate(decoder, PROMPTS, 6, step=step), step.report()
+
+
+def stored(cache_dir) -> list[dict]:
+    payloads = []
+    for path in entries(cache_dir):
+        _, body = cache.split_entry(path.read_bytes(), path.name)
+        with cache.compat.real_tensors():
+            payloads.append(pickle.loads(body))
+    return payloads
+
+
+def test_level_1_frozen_second_start_loads_without_the_weights(decoder, tmp_path):
+    expected = generate(decoder, PROMPTS, 6)
+    tokens, first = generated(decoder, tmp_path)
+    tokens_again, second = generated(decoder, tmp_path)
+    assert torch.equal(tokens, expected) and torch.equal(tokens_again, expected)
+    assert (first.cache_hits, first.cache_misses, second.cache_hits, second.cache_misses) == (0, 1, 1, 0)
+    assert second.graphs[0].cache_hit and "loaded from the compile cache" in str(second)
+    [entry] = [e for e in stored(tmp_path) if "frozen" in e]
+    folded = entry["frozen"]["values"]
+    assert folded  # the decoder's fused projections are folded from its weights
+    kept = {**entry["lowered"]["attributes"], **entry["graph"]["attributes"]}
+    assert not set(folded) & set(kept)
+    weights = sum(p.numel() * p.element_size() for p in decoder.parameters())
+    assert sum(t.numel() * t.element_size() for t in kept.values()) < weights / 10
+
+
+def test_level_1_a_changed_weight_refolds_on_the_second_start(decoder, tmp_path):
+    generated(decoder, tmp_path)
+    with torch.no_grad():
+        for layer in decoder.layers:
+            layer.mlp.up_proj.weight.mul_(1.5)
+            layer.self_attn.k_proj.weight.neg_()
+    expected = generate(decoder, PROMPTS, 6)
+    tokens, report = generated(decoder, tmp_path)
+    assert torch.equal(tokens, expected) and report.cache_hits == 1
+    with torch.no_grad():  # refresh() after a hit reaches the values it folded
+        decoder.layers[0].mlp.gate_proj.weight.mul_(-2)
+    step = start(decoder, tmp_path)
+    generate(decoder, PROMPTS, 2, step=step)
+    decoder.layers[0].mlp.down_proj.weight.data.mul_(3)
+    assert step.refresh() > 0
+    assert torch.equal(generate(decoder, PROMPTS, 6, step=step), generate(decoder, PROMPTS, 6))
+
+
+class Scaled(torch.nn.Module):
+    """Folds `1 + scale` (small: a pass may read its values) and `2 * weight` (large)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.zeros(64))
+        self.weight = torch.nn.Parameter(torch.randn(64, 5000))
+
+    def forward(self, x):
+        return (x * (1 + self.scale)) @ (2 * self.weight)
+
+
+def test_level_1_a_changed_value_the_passes_read_compiles_again(tmp_path):
+    model, x = Scaled().eval(), torch.randn(4, 64)
+    with torch.no_grad():
+        start(model, tmp_path)(x)
+        [entry] = [e for e in stored(tmp_path) if "frozen" in e]
+        assert entry["frozen"]["read"]  # 1 + scale: all ones, which algebraic reads
+        model.scale.fill_(0.5)
+        step = start(model, tmp_path)
+        out = step(x)
+    atol, rtol = tolerance(torch.float32)
+    torch.testing.assert_close(out, model(x), atol=atol, rtol=rtol)
+    report = step.report()
+    assert (report.cache_hits, report.cache_misses) == (0, 1)
+    assert any("compiled again" in r and "the weights changed" in r for r in report.fallbacks)
+
+
+def test_level_2_frozen_second_start_hits_and_a_changed_weight_misses(decoder, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    expected = generate(decoder, PROMPTS, 6)
+    tokens, first = generated(decoder, tmp_path / "graphopt", graph_opt_level=2)
+    tokens_again, second = generated(decoder, tmp_path / "graphopt", graph_opt_level=2)
+    assert torch.equal(tokens, expected) and torch.equal(tokens_again, expected)
+    assert (first.cache_misses, second.cache_hits, second.cache_misses) == (1, 1, 0)
+    assert second.graphs[0].gemms == first.graphs[0].gemms  # the choices, from graphopt's entry
+    with torch.no_grad():
+        decoder.layers[0].mlp.up_proj.weight.mul_(1.5)
+    tokens, changed = generated(decoder, tmp_path / "graphopt", graph_opt_level=2)
+    assert torch.equal(tokens, generate(decoder, PROMPTS, 6)) and not torch.equal(tokens, expected)
+    assert (changed.cache_hits, changed.cache_misses) == (0, 1)
+    assert changed.graphs[0].gemms  # timings from Inductor's autotune cache, still reported
+
+
+CHILD = textwrap.dedent('''
+    import json, sys, torch, graphopt
+    from graphopt.models import Decoder, DecoderConfig, generate
+    torch.manual_seed(0)
+    decoder = Decoder(DecoderConfig.tiny()).eval()
+    prompts = torch.randint(500, (3, 6), generator=torch.Generator().manual_seed(0))
+    cfg = graphopt.GraphOptimizationConfig(cache_dir=sys.argv[1], use_cudagraph=False, freeze_parameters=True)
+    step = graphopt.optimize(decoder, cfg, pad_values={"slots": decoder.scratch_slot})
+    tokens = generate(decoder, prompts, 6, step=step)
+    print(json.dumps({"same": torch.equal(tokens, generate(decoder, prompts, 6)),
+                      "hits": step.report().cache_hits, "rebuilt": step.report().cache_rebuilt}))
+''')
+
+
+def test_two_processes_starting_at_once_on_one_cache(tmp_path):
+    def spawn():
+        return subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    children = [spawn(), spawn()]
+    results = []
+    for child in children:
+        out, err = child.communicate(timeout=600)
+        assert child.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert all(r["same"] and r["rebuilt"] == 0 for r in results)
+    third = spawn()
+    out, err = third.communicate(timeout=600)
+    assert third.returncode == 0, err[-3000:]
+    assert json.loads(out.strip().splitlines()[-1]) == {"same": True, "hits": 1, "rebuilt": 0}
+
+
+def test_export_import_round_trip_between_two_directories(decoder, tmp_path, capsys):
+    expected = generate(decoder, PROMPTS, 6)
+    generated(decoder, tmp_path / "a")
+    assert cli.main(["cache", "export", str(tmp_path / "a.tar.gz"), "--cache-dir", str(tmp_path / "a")]) == 0
+    assert cli.main(["cache", "import", str(tmp_path / "a.tar.gz"), "--cache-dir", str(tmp_path / "b")]) == 0
+    assert f"imported {len(entries(tmp_path / 'a'))} entries, refused 0" in capsys.readouterr().out
+    assert (tmp_path / "a" / "signing.key").read_bytes() != (tmp_path / "b" / "signing.key").read_bytes()
+    tokens, report = generated(decoder, tmp_path / "b")
+    assert torch.equal(tokens, expected) and (report.cache_hits, report.cache_misses, report.cache_rebuilt) == (1, 0, 0)
+
+
+def test_an_entry_from_another_torch_is_refused_with_its_reason(decoder, tmp_path, monkeypatch, caplog):
+    generated(decoder, tmp_path / "a")
+    other = {**cache.versions(), "torch": "2.0.0"}
+    monkeypatch.setattr(cache, "versions", lambda: other)  # the exporting machine's torch
+    for path in entries(tmp_path / "a"):  # rewritten as that torch would have written it
+        line, _, body = path.read_bytes().partition(b"\n")
+        header = json.loads(line)
+        path.write_bytes(json.dumps({**header, "torch": "2.0.0"}).encode() + b"\n" + body)
+    cache_transfer.export(tmp_path / "a", tmp_path / "a.tar.gz")
+    monkeypatch.undo()
+    done = cache_transfer.import_(tmp_path / "a.tar.gz", tmp_path / "b")
+    assert done.moved == 0 and len(done.refused) == len(entries(tmp_path / "a"))
+    assert set(done.refused.values()) == {f"written by torch 2.0.0, this is {torch.__version__}"}
+    assert "refused" in caplog.text and "written by torch 2.0.0" in caplog.text
+    assert not entries(tmp_path / "b")
+
+
+def test_import_refuses_a_file_that_is_not_an_export(tmp_path):
+    with tarfile.open(tmp_path / "x.tar.gz", "w:gz"):
+        pass
+    with pytest.raises(ValueError, match="not a graphopt cache export"):
+        cache_transfer.import_(tmp_path / "x.tar.gz", tmp_path / "b")
