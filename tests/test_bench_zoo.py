@@ -99,6 +99,7 @@ def test_zoo_and_models_expand_to_the_zoos_workloads_and_contenders():
     usual = cli._contenders(None, ["resnet", "zoo-llama"])
     assert "compile" in usual and not set(OPT_IN) & set(usual)
     assert cli._contenders(["eager"], ["zoo-llama"]) == ["eager"]
+    assert cli._contenders(["auto", "compile"], ["zoo-llama"]) == ["eager", "auto", "compile"]  # the reference
 
 
 def test_unknown_model_is_a_usage_error_listing_the_zoo(capsys):

@@ -334,9 +334,10 @@ def _workloads(named: list[str] | None, large: bool, models: list[str] | None = 
 
 
 def _contenders(named: list[str] | None, workloads: list[str]) -> list[str]:
-    """Named contenders; else the zoo's for a run of the zoo alone, or all but the opt-in ones."""
+    """Named contenders, with eager first (every row is checked against its outputs); else
+    the zoo's for a run of the zoo alone, or all but the opt-in ones."""
     if named:
-        return named
+        return named if "eager" in named else ["eager", *named]
     if all(w in zoo.ZOO for w in workloads):
         return zoo.CONTENDERS
     return [c.key for c in bench.contenders("cuda") if c.key not in bench.OPT_IN]
