@@ -30,7 +30,7 @@ LAYERS = {  # the first part of a module's dotted name below graphopt -> its lay
     "models": BASE, "_compat": BASE,
     "passes": "passes", "runtime": "runtime",
     "backend": "backend", "backend_cache": "backend", "modes": "backend", "repack": "backend", "recompiles": "backend",
-    "executors": "backend", "backend_runtime": "backend", "tiers": "backend", "inductor_options": "backend",
+    "executors": "backend", "backend_runtime": "backend", "tiers": "backend", "candidates": "backend", "inductor_options": "backend",
     "lowering": "backend",
     "api": "api", "traces": "api", "guards": "api",
     "bench": "tools", "cli": "tools", "cli_args": "tools", "__main__": "tools", "__init__": "tools",

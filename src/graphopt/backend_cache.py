@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
-from . import _compat, cache
+from . import _compat, cache, tiers
 from .config import GraphOptimizationConfig
 from .passes.constant_fold import FOLDED_RECIPES, FROZEN_INPUTS
 from .passes.fusion.replacement import USER_PATTERNS, Unkeyable
@@ -155,13 +155,13 @@ class BackendCache:
 
     def store_choice(self, key: str | None, choice: dict) -> None:
         """graph_opt_level="auto": the level chosen for the graph of `key`, with its figures."""
-        if key is not None and choice["level"] in (1, 2):
+        if key is not None and choice["level"] in tiers.LEVELS:
             self.disk.store(key, {k: v for k, v in choice.items() if k != "graph"})
 
     def load_choice(self, key: str | None) -> dict:
         """The choice `store_choice` stored for `key` (marked `cached`), or {}."""
         stored = self.load(key)
-        if not isinstance(stored, dict) or stored.get("level") not in (1, 2):
+        if not isinstance(stored, dict) or stored.get("level") not in tiers.LEVELS:
             return {}
         return {**stored, "cached": True}
 
@@ -171,7 +171,8 @@ class BackendCache:
         every cache key). Inductor's FX graph cache keys on it too; "" where the
         patterns cannot be keyed, which Inductor takes as a pass it must not cache."""
         config = self.config
-        fields = {"graph_opt_level": config.graph_opt_level if level is None else level, "disabled_passes": sorted(config.disabled_passes),
+        fields = {"graph_opt_level": config.graph_opt_level if level is None else level,
+                  "disabled_passes": sorted(config.disabled_passes),
                   "freeze_parameters": config.freeze_parameters,
                   "compute_dtype": config.compute_dtype, "precision_tolerance": config.precision_tolerance,
                   "weight_quantization": config.weight_quantization,

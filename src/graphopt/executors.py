@@ -24,18 +24,16 @@ import contextlib
 import io
 import logging
 import os
-import statistics
 import tempfile
-import time
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import _compat
+from . import _compat, candidates
 from ._compat.names import TorchDispatchMode
-from .config import GraphOptimizationConfig, tolerance
+from .config import GraphOptimizationConfig
 from .kernels.collective import is_collective_op
 from .report import Report, first_line
 
@@ -85,18 +83,18 @@ class Choice:
         inputs = list(args)
         with torch.no_grad():
             expected = list(self.bound.gm(*inputs))
-            candidates: dict[str, Callable] = {"graphopt": self.runtime}
+            racing: dict[str, Callable] = {"graphopt": self.runtime}
             for engine in self.engines:
                 executor = _build(engine, self.bound, inputs, self.report)
                 if executor is not None and _agrees(engine, executor, inputs, expected, self.report):
-                    candidates[engine] = executor
-            seconds = _time(candidates, inputs)
+                    racing[engine] = executor
+            seconds = candidates.median_seconds(racing, inputs, _ROUNDS, _ROUND_SECONDS)
         best = min(seconds, key=lambda name: seconds[name] / (1 if name == "graphopt" else MARGIN))
         self.record.update(executor=best, seconds={k: round(v, 7) for k, v in seconds.items()},
                            reason="fastest of " + ", ".join(seconds) if len(seconds) > 1
                            else "no engine ran it (see the fallbacks)")
-        self.run = candidates[best]
-        self.engine = candidates[best] if best != "graphopt" else None
+        self.run = racing[best]
+        self.engine = racing[best] if best != "graphopt" else None
         return self.run(*args)
 
     def repack(self) -> None:
@@ -301,33 +299,12 @@ def _agrees(engine: str, executor: Executor, inputs: list, expected: list, repor
         report.fallback(f"executors: {engine} failed to run a graph ({type(error).__name__}); it runs on "
                         "graphopt's compiled code")
         return False
-    for i, (a, b) in enumerate(zip(got, expected)):
-        atol, rtol = tolerance(b.dtype)
-        if a.shape != b.shape or a.dtype != b.dtype or not torch.allclose(a, b, atol=atol, rtol=rtol):
-            report.fallback(f"executors: {engine}'s output {i} of a graph differs from eager's beyond config.py's "
-                            "tolerances; it runs on graphopt's compiled code")
-            return False
+    unequal = candidates.first_unequal(got, expected)
+    if unequal is not None:
+        report.fallback(f"executors: {engine}'s output {unequal} of a graph differs from eager's beyond config.py's "
+                        "tolerances; it runs on graphopt's compiled code")
+        return False
     return len(got) == len(expected)
-
-
-def _time(candidates: dict[str, Callable], inputs: list) -> dict[str, float]:
-    """Each candidate's median seconds per call, in interleaved rounds (the machine's
-    load falls on all alike)."""
-    per_call: dict[str, list[float]] = {name: [] for name in candidates}
-    for fn in candidates.values():
-        _call(fn, inputs)  # warm-up: first-call costs are not the steady state
-    for _ in range(_ROUNDS):
-        for name, fn in candidates.items():
-            calls, start = 0, time.perf_counter()
-            while (elapsed := time.perf_counter() - start) < _ROUND_SECONDS or calls < 2:
-                _call(fn, inputs)
-                calls += 1
-            per_call[name].append(elapsed / calls)
-    return {name: statistics.median(times) for name, times in per_call.items()}
-
-
-def _call(fn: Callable, inputs: list) -> Any:
-    return fn(*inputs)  # as Dynamo calls what a backend returns
 
 
 @contextlib.contextmanager

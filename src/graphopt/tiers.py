@@ -18,13 +18,12 @@ sees one call's effect.
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any, Callable, Sequence
 
 import torch
 
-from .config import tolerance
+from . import candidates
 from .report import Report, first_line
 
 LEVELS = (1, 2)
@@ -51,6 +50,13 @@ class LevelChoice:
     def __call__(self, *args: Any) -> Any:
         return self.run(*args)
 
+    def _time(self, agreeing: dict[int, Callable], args: tuple, state: _State) -> dict[int, float]:
+        """Each agreeing level's median seconds per call on the first call's inputs, state
+        put back before every run; nothing to time with one level (or none)."""
+        if len(agreeing) < 2:
+            return {level: 0.0 for level in agreeing}
+        return candidates.median_seconds(agreeing, args, ROUNDS, ROUND_SECONDS, state.restore, self.clock)
+
     def _first(self, *args: Any) -> Any:
         state = _State([args[i] for i in self.stateful])
         with torch.no_grad():
@@ -65,7 +71,7 @@ class LevelChoice:
                     self.report.fallback(f"graph_opt_level='auto': level {level} of graph {self.record['graph']} "
                                          f"{why}; it is not a candidate")
             try:
-                seconds = time_levels(agreeing, args, state, self.clock)
+                seconds = self._time(agreeing, args, state)
                 reason = None
             except Exception as error:  # noqa: BLE001 - a run that passed its check may still fail when repeated
                 reason = f"timing its levels failed ({type(error).__name__}: {first_line(error)[:200]})"
@@ -100,30 +106,6 @@ def choose(compile_at: Callable[[int], Callable], eager: Callable, stateful: lis
 def pick(seconds: dict[int, float]) -> int:
     """The level with the smallest median seconds; level 2 only by more than MARGIN."""
     return min(seconds, key=lambda level: seconds[level] * (1.0 if level == 1 else 1.0 / MARGIN))
-
-
-def time_levels(runtimes: dict[int, Callable], args: Sequence[Any], state: _State,
-                clock: Callable[[], float]) -> dict[int, float]:
-    """Each runtime's median seconds per call over ROUNDS interleaved rounds of at least
-    ROUND_SECONDS each (the machine's load falls on all alike), state restored before
-    every run and only the run itself timed."""
-    if len(runtimes) < 2:  # nothing to choose between: no need to time
-        return {level: 0.0 for level in runtimes}
-    per_call: dict[int, list[float]] = {level: [] for level in runtimes}
-    for runtime in runtimes.values():  # warm-up: captures and first-call costs are not the steady state
-        state.restore()
-        runtime(*args)
-    for _ in range(ROUNDS):
-        for level, runtime in runtimes.items():
-            spent, calls = 0.0, 0
-            while spent < ROUND_SECONDS or calls < 2:
-                state.restore()
-                start = clock()
-                runtime(*args)
-                spent += clock() - start
-                calls += 1
-            per_call[level].append(spent / calls)
-    return {level: statistics.median(times) for level, times in per_call.items()}
 
 
 def stateful_inputs(kinds: Sequence[str], example_inputs: Sequence[Any]) -> list[int]:
@@ -168,10 +150,7 @@ def _disagreement(runtime: Callable, args: Sequence[Any], expected: list[Any]) -
         return f"failed on its first call ({type(error).__name__}: {first_line(error)[:200]})"
     if len(got) != len(expected):
         return f"returned {len(got)} values where eager returns {len(expected)}"
-    for i, (a, b) in enumerate(zip(got, expected)):
-        if not isinstance(b, torch.Tensor):
-            continue
-        atol, rtol = tolerance(b.dtype)
-        if a.shape != b.shape or a.dtype != b.dtype or not torch.allclose(a, b, atol=atol, rtol=rtol, equal_nan=True):
-            return f"gave output {i} unequal to eager's beyond config.py's tolerances"
+    unequal = candidates.first_unequal(got, expected, equal_nan=True)
+    if unequal is not None:
+        return f"gave output {unequal} unequal to eager's beyond config.py's tolerances"
     return None

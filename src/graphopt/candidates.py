@@ -1,0 +1,52 @@
+"""Candidates for running one graph, compared on the same inputs: first their outputs
+against eager's, then their time side by side. The executors' race (an engine against
+graphopt's code) and graph_opt_level="auto" (level 1 against level 2) both choose this way."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Hashable, Sequence, TypeVar
+
+import torch
+
+from .config import tolerance
+
+Name = TypeVar("Name", bound=Hashable)
+
+
+def first_unequal(got: Sequence[Any], expected: Sequence[Any], equal_nan: bool = False) -> int | None:
+    """The index of the first tensor of `got` that is not eager's (`expected`) within
+    config.py's tolerances (its shape, dtype or values), or None."""
+    for i, (a, b) in enumerate(zip(got, expected)):
+        if not isinstance(b, torch.Tensor):
+            continue
+        atol, rtol = tolerance(b.dtype)
+        if a.shape != b.shape or a.dtype != b.dtype or not torch.allclose(a, b, atol=atol, rtol=rtol,
+                                                                          equal_nan=equal_nan):
+            return i
+    return None
+
+
+def median_seconds(candidates: dict[Name, Callable], args: Sequence[Any], rounds: int, round_seconds: float,
+                   before_run: Callable[[], None] = lambda: None,
+                   clock: Callable[[], float] = time.perf_counter) -> dict[Name, float]:
+    """Each candidate's median seconds per call on `args`, over `rounds` interleaved rounds
+    of at least `round_seconds` each (the machine's load falls on all alike), after one
+    warm-up call each (captures and first-call costs are not the steady state).
+    `before_run` runs untimed before every call (putting back what the last one wrote)."""
+    per_call: dict[Name, list[float]] = {name: [] for name in candidates}
+    for fn in candidates.values():
+        before_run()
+        fn(*args)  # as Dynamo calls what a backend returns
+    for _ in range(rounds):
+        for name, fn in candidates.items():
+            spent, calls = 0.0, 0
+            while spent < round_seconds or calls < 2:
+                before_run()
+                start = clock()
+                fn(*args)
+                spent += clock() - start
+                calls += 1
+            per_call[name].append(spent / calls)
+    return {name: statistics.median(times) for name, times in per_call.items()}
