@@ -21,7 +21,7 @@ def test_backend_is_registered_by_name():
 
 def test_backend_entry_point_is_declared():
     (entry,) = [e for e in entry_points(group="torch_dynamo_backends") if e.name == "graphopt"]
-    assert entry.value == "graphopt.modes:graphopt_backend"
+    assert entry.value == "graphopt.registry:graphopt_backend"
     assert entry.load() is graphopt.graphopt_backend
 
 

@@ -36,13 +36,13 @@ CASES = [pytest.param(name, way, id=f"{name}-{way}",
 def test_generate_with_compile_config_gives_eager_tokens_and_replays(name: str, way: str) -> None:
     torch._dynamo.reset()
     eager, model = twins(name)
-    before = len(graphopt.backends())
+    earlier = graphopt.backends()  # held: the registry lists live Backends only
     backend = "graphopt" if way == "name" else graphopt.Backend(graphopt.GraphOptimizationConfig(max_num_seqs=4))
 
     def report() -> graphopt.Report:
         if way == "object":
             return backend.report()
-        made = graphopt.backends()[before:]
+        made = graphopt.backends()[len(earlier):]
         return made[-1].report() if made else graphopt.Report(1)
 
     ids = prompt(1)
@@ -53,4 +53,4 @@ def test_generate_with_compile_config_gives_eager_tokens_and_replays(name: str, 
     assert_replays_from(probe.steps, 3, f"{name} ({way})")
     assert probe.steps[-1].replays == NEW_TOKENS - 3, probe.steps
     if way == "object":
-        assert len(graphopt.backends()) == before, "a Backend object is used as it is, not replaced"
+        assert len(graphopt.backends()) == len(earlier), "a Backend object is used as it is, not replaced"

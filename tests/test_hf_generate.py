@@ -212,8 +212,9 @@ def test_llama_generate_on_a_new_static_cache_replays_instead_of_capturing_again
 def _by_name(model: torch.nn.Module, level: int) -> Callable[[], graphopt.Report]:
     model.forward = torch.compile(model.forward, backend="graphopt", options=options_for(level))
     # Each torch.compile call gets one Backend, made at its first graph.
-    before = len(graphopt.backends())
-    return lambda: graphopt.backends()[before].report() if len(graphopt.backends()) > before else graphopt.Report(level)
+    earlier = graphopt.backends()  # held: the registry lists live Backends only
+    return lambda: (graphopt.backends()[len(earlier)].report() if len(graphopt.backends()) > len(earlier)
+                    else graphopt.Report(level))
 
 
 def _by_backend(model: torch.nn.Module, level: int) -> Callable[[], graphopt.Report]:

@@ -1,5 +1,5 @@
-"""torch.compile's own door (modes.py): `mode=`, one Backend per torch.compile call,
-and Backends that survive the copies engines make of them."""
+"""torch.compile's own door (registry.py, config.with_mode): `mode=`, one Backend per
+torch.compile call, and Backends that survive the copies engines make of them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 import graphopt
 from graphopt.config import tolerance
-from graphopt.modes import with_mode
+from graphopt.config import with_mode
 
 ATOL, RTOL = tolerance(torch.float32)
 
@@ -82,13 +82,13 @@ def test_a_backend_object_takes_the_mode_torch_compile_passes() -> None:
 
 def test_one_backend_per_torch_compile_call_without_options() -> None:
     torch._dynamo.reset()
-    before = len(graphopt.backends())
+    earlier = graphopt.backends()  # held: the registry lists live Backends only
     first = torch.compile(lambda x: torch.tanh(x) + 1, backend="graphopt")
     second = torch.compile(lambda x: torch.sigmoid(x) * 2, backend="graphopt")
     x = torch.randn(3, 4)
     for _ in range(3):
         first(x), second(x)
-    made = graphopt.backends()[before:]
+    made = graphopt.backends()[len(earlier):]
     assert len(made) == 2 and all(len(b.report().graphs) == 1 for b in made), [str(b.report()) for b in made]
 
 

@@ -24,14 +24,14 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx
 
-from . import _compat, cache, executors, modes, recompiles, tiers
+from . import _compat, cache, executors, recompiles, tiers
 from ._compat import autotune
 from ._compat import cache as compat_cache
 from ._compat import recompile as compat_recompile
 from ._compat import trace_graph
 from ._compat.names import RECOMPILE_LIMIT
 from .backend_cache import BackendCache, GraphSpec, NotStorable, device_type
-from .config import AUTO_LEVEL, GraphOptimizationConfig
+from .config import AUTO_LEVEL, GraphOptimizationConfig, with_mode
 from .config_checks import WEIGHT_COPYING_INDUCTOR_OPTIONS
 from .inductor_options import inductor_options
 from .lowering import lower_to_bindings
@@ -78,7 +78,7 @@ class Backend:
         compat_recompile.on_recompile_limit(self._gave_up)
 
     def _configure(self, mode: str | None) -> None:
-        self.config, kept = modes.with_mode(self.given, mode)
+        self.config, kept = with_mode(self.given, mode)
         self.mode = mode
         check_pass_names(self.config.disabled_passes)
         self._report = Report(self.config.graph_opt_level)

@@ -6,7 +6,8 @@ aclgraph options (``capture_error_mode``, ``clone_input``, ...), so a config wri
 those engines reads the same here. Nothing is coerced: a wrong type or value is an
 error that names the key and says what is accepted.
 
-This module is also the one place where numerical tolerances are stated.
+This module is also the one place where numerical tolerances are stated, and where
+torch.compile's `mode=` is read as graphopt's keys (`MODES`, `with_mode`).
 """
 
 from __future__ import annotations
@@ -260,6 +261,45 @@ class GraphOptimizationConfig:
 
 
 _KEYS: Final = tuple(f.name for f in dataclasses.fields(GraphOptimizationConfig))
+
+
+_AUTOTUNE = {"max_autotune": True}
+# torch's meanings, in graphopt's keys: device graphs are graphopt's, not Inductor's.
+MODES: dict[str, dict[str, Any]] = {
+    "default": {},
+    "reduce-overhead": {"use_cudagraph": True},
+    "max-autotune-no-cudagraphs": {"graph_opt_level": 2, "use_cudagraph": False,
+                                   "inductor_compile_config": _AUTOTUNE},
+    "max-autotune": {"graph_opt_level": 2, "use_cudagraph": True, "inductor_compile_config": _AUTOTUNE},
+}
+
+
+def with_mode(config: GraphOptimizationConfig, mode: str | None) -> tuple[GraphOptimizationConfig, list[str]]:
+    """`config` with `mode`'s keys where it keeps the default, and a sentence for
+    each key where the user's value wins over the mode's. `options` and a Backend's
+    own config are both "what the user gave"."""
+    if mode is None:
+        return config, []
+    if mode not in MODES:
+        raise ValueError(f"unknown torch.compile mode {mode!r} for backend 'graphopt'; known modes: "
+                         f"{', '.join(repr(m) for m in MODES)}")
+    defaults = GraphOptimizationConfig()
+    changes: dict[str, Any] = {}
+    kept: list[str] = []
+    for key, wanted in MODES[mode].items():
+        given, default = getattr(config, key), getattr(defaults, key)
+        if key == "inductor_compile_config":
+            merged = {**wanted, **given}
+            kept += [f"mode={mode!r} sets inductor_compile_config[{k!r}]={v!r}, the config's {given[k]!r} is used"
+                     for k, v in wanted.items() if k in given and given[k] != v]
+            changes[key] = merged
+        elif given == default:
+            changes[key] = wanted
+        elif given != wanted:
+            kept.append(f"mode={mode!r} sets {key}={wanted!r}, the config's {given!r} is used")
+    if not changes:
+        return config, kept
+    return config.replace(**changes), kept
 
 
 def _cache_dir(value: object) -> str | None:
