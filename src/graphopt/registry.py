@@ -5,11 +5,12 @@
     CompileConfig(backend="graphopt")                 # transformers: mode="reduce-overhead"
 
 Each torch.compile call gets one Backend, shared by every graph Dynamo compiles
-for it, and the Backend lives as long as the call: the registry holds it for the
-call and lets it go when torch lets the call go (`torch.compiler.reset()` does;
-torch 2.13 keeps a call until then). The Backend then gives back what it took
-(its graphs, its graph pools, its share of Dynamo's recompile limit).
-`backends()` lists the live ones.
+for it. The registry holds a Backend for as long as torch holds its call, which is
+until `torch.compiler.reset()`, even after the compiled model is dropped: Dynamo
+keeps the graphs it cached for a module's `forward` and gives them to the next
+model of that class compiled with the same settings. Then the Backend goes and gives
+back what it took (the FX graphs it keeps for `refresh()`, its graph pools, its share
+of Dynamo's recompile limit). `backends()` lists the live ones.
 """
 
 from __future__ import annotations
