@@ -388,5 +388,6 @@ def test_a_number_that_changes_every_call_stops_capturing_and_says_so():
     for _ in range(14):
         x = torch.randn(2, 4)
         torch.testing.assert_close(opt(x, ours), add_count(x, theirs))
-    assert opt.report().fallback_counts == {FallbackKind.NO_DEVICE_GRAPH: 1}
+    # Counted at each call that brings a new value once the runner holds 8.
+    assert opt.report().fallback_counts == {FallbackKind.NO_DEVICE_GRAPH: 4}
     assert opt.report().replays == 0

@@ -261,7 +261,7 @@ def describe(step: Step, contender: Contender) -> tuple[str, list[str]]:
     if contender.kind != "graphopt":
         return "", []
     report = report_of(step)
-    reasons = [reason for kind in DEVICE_GRAPH_KINDS for reason in report.reasons(kind)]
+    reasons = [reason for reason, kind in report.fallback_kinds.items() if kind in DEVICE_GRAPH_KINDS]
     if not contender.device_graphs:
         return (f"{len(report.graphs)} graph{'s' * (len(report.graphs) != 1)}" if report.graphs else ""), []
     if report.replays == 0:  # every call ran without a device graph
