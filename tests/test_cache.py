@@ -300,7 +300,7 @@ PATTERN_CHILD = textwrap.dedent('''
     print(json.dumps({"hits": report.cache_hits, "misses": report.cache_misses, "silu": silu,
                       "matches": next(p.counts for p in report.passes if p.name == "user_replacements"),
                       "traces_used": report.traces_used,
-                      "trace_refused": bool(report.reasons(FallbackKind.TRACE_NOT_USED))}))
+                      "trace_refused": bool(report.reasons(graphopt.FallbackKind.TRACE_NOT_USED))}))
 ''')
 IDENTITY = "def decide(flag):\n    return flag"
 NEGATION = "def decide(flag):\n    return not flag"

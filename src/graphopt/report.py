@@ -1,5 +1,5 @@
 """What an optimized model did: its graphs, the passes that ran on them, compile
-times, and every fallback with its reason. `OptimizedModule.report()` returns one."""
+times, and every fallback with its kind and reason. `OptimizedModule.report()` returns one."""
 
 from __future__ import annotations
 
