@@ -3,12 +3,22 @@ warm-ups, capture, replay, what a replay copies in, refusals and release."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import graphopt
 from graphopt import FallbackKind
 from graphopt.report import PieceRecord, Report
+from graphopt.runtime import native_tape
 from graphopt.runtime.capture import CapturedGraph, Pool, running_at
+
+
+@pytest.fixture(autouse=True)
+def python_replay(monkeypatch):
+    """What CapturedGraph does is the same whichever way its host graphs replay: from
+    Python these tests never wait for the C++ tape's first build (test_host_graph.py
+    tests the tape)."""
+    monkeypatch.setattr(native_tape, "ENABLED", False)
 
 
 class Counted:
