@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.fx
 
-from graphopt import _compat, cache_trust
+from graphopt import FallbackKind, _compat, cache_trust
 from graphopt.models import DecoderConfig
 
 
@@ -17,10 +17,15 @@ def cache_entries(cache_dir) -> list[Path]:
     return sorted(p for p in Path(cache_dir).rglob("*") if p.is_file() and p.name != cache_trust.KEY_FILE)
 
 
-def unexpected_fallbacks(report) -> dict[str, int]:
-    """A report's fallbacks but the compile cache's own (a trace it could not store
-    for a later process): they never change a result."""
-    return {reason: n for reason, n in report.fallbacks.items() if not reason.startswith("cache_dir:")}
+# The compile cache's own fallbacks (a trace it could not store for a later process):
+# they never change what runs in this one.
+CACHE_KINDS = (FallbackKind.CACHE_OFF, FallbackKind.CACHE_NOT_LOADED, FallbackKind.CACHE_NOT_STORED,
+               FallbackKind.TRACE_NOT_STORED, FallbackKind.TRACE_NOT_USED)
+
+
+def unexpected_fallbacks(report) -> dict[FallbackKind, int]:
+    """A report's fallback counts by kind but the compile cache's own."""
+    return {kind: n for kind, n in report.fallback_counts.items() if kind not in CACHE_KINDS}
 
 
 def decode_inputs(batch: int, position: int = 5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

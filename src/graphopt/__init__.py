@@ -13,7 +13,7 @@ from .passes.base import PassResult
 from .passes.manager import PassVerificationError
 from .recompiles import RecompileError
 from .registry import backends, graphopt_backend
-from .report import Report
+from .report import FallbackKind, Report
 from .runtime.device_graph import DeviceGraph, graph_pool_handle
 from .runtime.safety import CaptureError, CaptureProblem, check
 
@@ -25,6 +25,7 @@ __all__ = [
     "CaptureProblem",
     "DeviceGraph",
     "DynamicDims",
+    "FallbackKind",
     "GraphOptimizationConfig",
     "MODES",
     "OptimizedFunction",

@@ -37,7 +37,7 @@ from .inductor_options import inductor_options
 from .lowering import lower_to_bindings
 from .passes.manager import PassManager, check_pass_names
 from .repack import Repackable
-from .report import GraphRecord, Report
+from .report import FallbackKind, GraphRecord, Report
 
 # Graphs each Backend may add to Dynamo's per-function recompile limit: batch size 1
 # (specialised), the dynamic graph, and recompiles after guarded changes.
@@ -133,7 +133,8 @@ class Backend:
         """What Dynamo runs for `gm`, and how a later process builds it again from
         the compile cache (a GraphSpec), or why it cannot."""
         if self.config.guards != "all" and not self.guards_filtered:
-            self._report.fallback(f"guards={self.config.guards!r}: under torch.compile(backend=...) Dynamo checks "
+            self._report.fallback(FallbackKind.GUARDS,
+                                  f"guards={self.config.guards!r}: under torch.compile(backend=...) Dynamo checks "
                                   "every guard; use graphopt.optimize(), or give torch.compile options="
                                   "{'guard_filter_fn': torch.compiler.keep_tensor_guards_unsafe}")
         runtime, spec = self._compile_runtime(gm, example_inputs)
@@ -205,7 +206,8 @@ class Backend:
         if not inference and key is not None:
             # AOTAutograd compiles the forward and, at the first backward, the backward
             # through the same compiler, and an entry holds one graph.
-            self._report.fallback("cache_dir: a graph that records autograd (grad mode on, inputs that require "
+            self._report.fallback(FallbackKind.CACHE_OFF,
+                                  "cache_dir: a graph that records autograd (grad mode on, inputs that require "
                                   "grad) is compiled without the compile cache")
             key = None
         stored = self.cache.load(key)
@@ -349,7 +351,8 @@ class Backend:
         if device not in self._levels:
             level = self.config.graph_opt_level
             if level in (2, AUTO_LEVEL) and device == "cpu" and not _compat.inductor_available():
-                self._report.fallback(f"graph_opt_level={level!r}: Inductor found no C++ compiler for CPU code; "
+                self._report.fallback(FallbackKind.LEVEL,
+                                      f"graph_opt_level={level!r}: Inductor found no C++ compiler for CPU code; "
                                       "running level 1 (install gcc or clang to compile)")
                 level = 1
             self._levels[device] = level
@@ -361,7 +364,8 @@ class Backend:
             return "none"
         if level == 2 and device == "cpu":
             if config.graph_opt_level != AUTO_LEVEL:  # with "auto", the level choice's row says what runs
-                self._report.fallback("use_cudagraph with graph_opt_level=2 on CPU: Inductor's C++ kernels "
+                self._report.fallback(FallbackKind.NO_DEVICE_GRAPH,
+                                      "use_cudagraph with graph_opt_level=2 on CPU: Inductor's C++ kernels "
                                       "bypass the dispatcher and cannot be recorded on a host graph; the "
                                       "compiled kernels run directly")
             return "none"
@@ -369,7 +373,7 @@ class Backend:
 
     def _gave_up(self, message: str) -> None:
         if self._report.graphs or self._report.pieces:
-            self._report.fallback(f"Dynamo gave up compiling and runs a frame eagerly: {message}; "
+            self._report.fallback(FallbackKind.EAGER, f"Dynamo gave up compiling and runs a frame eagerly: {message}; "
                                   f"raise {RECOMPILE_LIMIT}")
 
 

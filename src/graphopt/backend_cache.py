@@ -30,7 +30,7 @@ from . import _compat, cache, tiers
 from .config import GraphOptimizationConfig
 from .passes.constant_fold import FOLDED_RECIPES, FROZEN_INPUTS
 from .passes.fusion.replacement import USER_PATTERNS, Unkeyable
-from .report import GraphRecord, Report
+from .report import FallbackKind, GraphRecord, Report
 
 
 @dataclass
@@ -83,7 +83,8 @@ class BackendCache:
         bypass = self.bypass()
         if bypass is not None:
             if self.disk is not None:
-                self.report.fallback(f"cache_dir: {bypass}, so graphs are compiled without the compile cache")
+                self.report.fallback(FallbackKind.CACHE_OFF,
+                                     f"cache_dir: {bypass}, so graphs are compiled without the compile cache")
             return None
         device = device_type(inputs)
         # Dynamo guards on these, and AOTAutograd traces differently under them.
@@ -111,7 +112,8 @@ class BackendCache:
             frozen = frozen_entry(graph, inputs or [])
         except ValueError as error:
             self.report.cache_misses += 1
-            self.report.fallback(f"cache_dir: a frozen graph could not be stored ({error}); it is compiled "
+            self.report.fallback(FallbackKind.CACHE_NOT_STORED,
+                                 f"cache_dir: a frozen graph could not be stored ({error}); it is compiled "
                                  "again in every process")
             return
         self.disk.store_compile(key, {**records, "frozen": frozen}, graph, lowered, leave_out=frozen["values"])
@@ -127,7 +129,8 @@ class BackendCache:
             return cache.load_graph(stored["lowered"]), self.final_graph(stored)
         bound = bind(stored, inputs, kinds)
         if isinstance(bound, str):
-            self.report.fallback(f"cache_dir: a stored frozen graph is compiled again: {bound}")
+            self.report.fallback(FallbackKind.CACHE_NOT_LOADED,
+                                 f"cache_dir: a stored frozen graph is compiled again: {bound}")
             return None
         return bound
 

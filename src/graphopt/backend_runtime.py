@@ -19,6 +19,7 @@ import torch
 import torch.fx
 
 from .backend_cache import GraphSpec
+from .report import FallbackKind
 from .runtime import piecewise
 from .runtime.capture import CapturedGraph, Pool
 from .runtime.fake_run import fake_run
@@ -39,7 +40,8 @@ def wrap(backend: Backend, gm: torch.fx.GraphModule, example_inputs: Sequence[An
         findings = fake_run(gm, example_inputs, config.cudagraph_splitting_ops,
                             batch_candidates(gm, backend.dynamic_dims, example_inputs), config.rowwise_ops)
     except Exception as error:  # noqa: BLE001 - the graph still runs; only device graphs are lost
-        report.fallback(f"use_cudagraph: graph {graph_index} could not be run on fake tensors to "
+        report.fallback(FallbackKind.NO_DEVICE_GRAPH,
+                        f"use_cudagraph: graph {graph_index} could not be run on fake tensors to "
                         f"find its splitting ops and written inputs ({type(error).__name__}: "
                         f"{error}); it runs without device graphs")
         return compile(gm, example_inputs, key=key), spec
@@ -48,7 +50,8 @@ def wrap(backend: Backend, gm: torch.fx.GraphModule, example_inputs: Sequence[An
     unsafe = findings.splitting_nodes
     if unsafe and mode == "full":
         reasons = "; ".join(sorted(set(unsafe.values())))
-        report.fallback(f"use_cudagraph: cudagraph_mode='full' and graph {graph_index} has ops a "
+        report.fallback(FallbackKind.NO_DEVICE_GRAPH,
+                        f"use_cudagraph: cudagraph_mode='full' and graph {graph_index} has ops a "
                         f"device graph cannot replay, so it runs without one: {reasons}")
         return compile(gm, example_inputs, key=key), spec
     if not unsafe:

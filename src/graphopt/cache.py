@@ -39,7 +39,7 @@ from . import _compat, cache_trust
 from ._compat import cache as compat
 from ._compat.names import OpOverload
 from .kernels import IMPLEMENTATIONS
-from .report import GraphRecord, Report
+from .report import FallbackKind, GraphRecord, Report
 
 FORMAT = 2
 
@@ -215,7 +215,8 @@ class CompileCache:
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as error:
-            self.report.fallback(f"cache_dir: could not read {path} ({error}); compiling instead")
+            self.report.fallback(FallbackKind.CACHE_NOT_LOADED,
+                                 f"cache_dir: could not read {path} ({error}); compiling instead")
             return None
         signing_key = self._signing_key()
         if signing_key is None:
@@ -224,7 +225,8 @@ class CompileCache:
             payload = _parse(data, key, signing_key)
         except Exception as error:  # noqa: BLE001 - any unreadable entry is rebuilt, never trusted
             self.report.cache_rebuilt += 1
-            self.report.fallback(f"cache_dir: entry {path} is unusable ({error}); it is compiled again "
+            self.report.fallback(FallbackKind.CACHE_NOT_LOADED,
+                                 f"cache_dir: entry {path} is unusable ({error}); it is compiled again "
                                  "and rewritten")
             path.unlink(missing_ok=True)
             return None
@@ -236,7 +238,8 @@ class CompileCache:
             with _compat.outside_fake_mode():
                 body = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as error:  # noqa: BLE001 - an unpicklable argument costs the entry, not the compile
-            self.report.fallback(f"cache_dir: a compiled graph could not be serialised ({type(error).__name__}: "
+            self.report.fallback(FallbackKind.CACHE_NOT_STORED,
+                                 f"cache_dir: a compiled graph could not be serialised ({type(error).__name__}: "
                                  f"{error}); it is compiled again in every process")
             return
         self.write(key, body)
@@ -263,7 +266,8 @@ class CompileCache:
             self._unwritable(path, error)
 
     def _unwritable(self, path: Path, error: OSError) -> None:
-        self.report.fallback(f"cache_dir: could not write {path} ({error}); the next process compiles "
+        self.report.fallback(FallbackKind.CACHE_NOT_STORED,
+                             f"cache_dir: could not write {path} ({error}); the next process compiles "
                              "again. Point cache_dir (or $GRAPHOPT_CACHE_DIR) at a writable directory")
 
     def _signing_key(self) -> bytes | None:
@@ -274,11 +278,13 @@ class CompileCache:
             if self._key is None:
                 self._key = cache_trust.signing_key(self.directory)
         except cache_trust.Untrusted as why:
-            self.report.fallback(f"cache_dir: refused, so nothing is loaded from it or stored in it (an entry "
+            self.report.fallback(FallbackKind.CACHE_OFF,
+                                 f"cache_dir: refused, so nothing is loaded from it or stored in it (an entry "
                                  f"is code that runs when loaded): {why}")
             return None
         except OSError as error:
-            self.report.fallback(f"cache_dir: could not read or make the signing key in {self.directory} "
+            self.report.fallback(FallbackKind.CACHE_OFF,
+                                 f"cache_dir: could not read or make the signing key in {self.directory} "
                                  f"({error}); compiling without the compile cache")
             return None
         return self._key
@@ -292,7 +298,8 @@ class CompileCache:
         try:
             runs = dump_graph(lowered, leave_out) if lowered is not None else None
         except ValueError as error:
-            self.report.fallback(f"cache_dir: a graph could not be stored ({error}); it is compiled "
+            self.report.fallback(FallbackKind.CACHE_NOT_STORED,
+                                 f"cache_dir: a graph could not be stored ({error}); it is compiled "
                                  "again in every process")
             return
         try:
@@ -311,9 +318,9 @@ class CompileCache:
         record.cache_hit = True
         report.passes.extend(dataclasses.replace(p, graph=record.index) for p in stored["passes"])
         report.memory.extend(dataclasses.replace(m, graph=record.index) for m in stored["memory"])
-        for reason, count in stored["fallbacks"].items():
+        for kind, reason, count in stored["fallbacks"]:
             for _ in range(count):
-                report.fallback(reason)
+                report.fallback(kind, reason)
 
 
 def split_entry(data: bytes, key: str) -> tuple[dict, bytes]:

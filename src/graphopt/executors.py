@@ -35,7 +35,7 @@ from . import _compat, candidates
 from ._compat.names import TorchDispatchMode
 from .config import GraphOptimizationConfig
 from .kernels.collective import is_collective_op
-from .report import Report, first_line
+from .report import FallbackKind, Report, first_line
 
 # An engine must beat graphopt's median by this much: a tie is not worth leaving torch for.
 MARGIN = 0.95
@@ -231,10 +231,11 @@ def _build(engine: str, bound: _Bound, inputs: list, report: Report) -> Executor
     try:
         return Executor(engine, bound, inputs)
     except ImportError as error:
-        report.fallback(f"executors: {engine} is not installed ({error.name}; pip install 'graphopt[{engine}]'); "
+        report.fallback(FallbackKind.EXECUTOR,
+                        f"executors: {engine} is not installed ({error.name}; pip install 'graphopt[{engine}]'); "
                         "graphs run on graphopt's compiled code")
     except Exception as error:  # noqa: BLE001 - an export that fails leaves graphopt's graph in place
-        report.fallback(f"executors: a graph could not run on {engine} ({type(error).__name__}: "
+        report.fallback(FallbackKind.EXECUTOR, f"executors: a graph could not run on {engine} ({type(error).__name__}: "
                         f"{first_line(error)[:300]}); "
                         "it runs on graphopt's compiled code")
     return None
@@ -296,12 +297,14 @@ def _agrees(engine: str, executor: Executor, inputs: list, expected: list, repor
     try:
         got = executor(*inputs)
     except Exception as error:  # noqa: BLE001
-        report.fallback(f"executors: {engine} failed to run a graph ({type(error).__name__}); it runs on "
+        report.fallback(FallbackKind.EXECUTOR,
+                        f"executors: {engine} failed to run a graph ({type(error).__name__}); it runs on "
                         "graphopt's compiled code")
         return False
     unequal = candidates.first_unequal(got, expected)
     if unequal is not None:
-        report.fallback(f"executors: {engine}'s output {unequal} of a graph differs from eager's beyond config.py's "
+        report.fallback(FallbackKind.EXECUTOR,
+                        f"executors: {engine}'s output {unequal} of a graph differs from eager's beyond config.py's "
                         "tolerances; it runs on graphopt's compiled code")
         return False
     return len(got) == len(expected)

@@ -1,8 +1,9 @@
 """What an optimized model did: its graphs, the passes that ran on them, compile
-times, and every fallback with its reason. `OptimizedModule.report()` returns one."""
+times, and every fallback with its kind and reason. `OptimizedModule.report()` returns one."""
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 from collections import Counter
@@ -10,6 +11,29 @@ from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger("graphopt")
+
+
+class FallbackKind(enum.Enum):
+    """What fell back, one kind per consequence: tests and tools count kinds
+    (`Report.fallback_counts`), people read the reason beside each."""
+
+    NO_DEVICE_GRAPH = "no_device_graph"    # a graph, or some of its batches, runs without device graphs
+    CAPTURE_REFUSED = "capture_refused"    # a capture was refused or failed: that piece runs directly
+    EXACT_SIZE = "exact_size"              # batches are captured at their exact size, not padded
+    SLOW_REPLAY = "slow_replay"            # a host graph replays from Python, not from C++
+    LEVEL = "level"                        # a graph runs at another graph_opt_level than the one asked
+    EAGER = "eager"                        # Dynamo gave up and runs a frame eagerly
+    GUARDS = "guards"                      # the guards setting is not applied: Dynamo checks every guard
+    PASS_UNDONE = "pass_undone"            # a pass broke the graph and was undone for it
+    PRECISION = "precision"                # lower precision not applied, or undone: full precision runs
+    UNCHECKED = "unchecked"                # a check was skipped: verify, or precision's measured error
+    NOT_FROZEN = "not_frozen"              # freeze_parameters: parameters stay live inputs
+    EXECUTOR = "executor"                  # an executor refused a graph: graphopt's compiled code runs it
+    CACHE_OFF = "cache_off"                # the compile cache is not used: nothing loaded or stored
+    CACHE_NOT_LOADED = "cache_not_loaded"  # a stored entry is not used: the graph is compiled again
+    CACHE_NOT_STORED = "cache_not_stored"  # a graph is not stored: every process compiles it again
+    TRACE_NOT_STORED = "trace_not_stored"  # a Dynamo trace is not stored: later processes trace again
+    TRACE_NOT_USED = "trace_not_used"      # a stored Dynamo trace is not run: the step is traced again
 
 
 @dataclass
@@ -148,7 +172,9 @@ class Report:
     level: int | str  # graph_opt_level: 0, 1, 2 or "auto"
     graphs: list[GraphRecord] = field(default_factory=list)
     passes: list[PassRecord] = field(default_factory=list)
-    fallbacks: Counter = field(default_factory=Counter)
+    fallbacks: Counter = field(default_factory=Counter)               # reason -> count
+    fallback_counts: Counter = field(default_factory=Counter)         # FallbackKind -> count
+    fallback_kinds: dict[str, FallbackKind] = field(default_factory=dict)  # reason -> its kind
     capture_sizes: list[int] = field(default_factory=list)
     captures: list[CaptureRecord] = field(default_factory=list)
     pieces: list[list[PieceRecord]] = field(default_factory=list)   # per runtime graph, its pieces
@@ -182,12 +208,22 @@ class Report:
     notes: list[str] = field(default_factory=list)  # decisions made for the user: a key kept over a mode's
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def fallback(self, reason: str) -> None:
-        """Count a fallback; the first of each reason is logged, the rest only counted."""
+    def fallback(self, kind: FallbackKind, reason: str) -> None:
+        """Count a fallback of `kind`; the first of each reason is logged, the rest only counted."""
         with self._lock:
             if reason not in self.fallbacks:
-                log.warning("graphopt fallback: %s", reason)
+                log.warning("graphopt fallback (%s): %s", kind.value, reason)
             self.fallbacks[reason] += 1
+            self.fallback_counts[kind] += 1
+            self.fallback_kinds[reason] = kind
+
+    def fallbacks_since(self, before: Counter) -> list[tuple[FallbackKind, str, int]]:
+        """(kind, reason, count) of the fallbacks counted since `before`, a copy of `fallbacks`."""
+        return [(self.fallback_kinds[reason], reason, n) for reason, n in (self.fallbacks - before).items()]
+
+    def reasons(self, kind: FallbackKind) -> list[str]:
+        """The reasons of the fallbacks of `kind`, in the order they first came."""
+        return [reason for reason, of in self.fallback_kinds.items() if of is kind]
 
     def piece(self, graph: int, split_reason: str | None) -> PieceRecord:
         """A new piece of runtime graph `graph` (graphs are numbered as they come)."""
@@ -220,6 +256,7 @@ class Report:
             "passes": [p.to_dict() for p in self.passes],
             "compile_seconds": round(self.compile_seconds, 3),
             "fallbacks": dict(self.fallbacks),
+            "fallback_counts": {kind.value: n for kind, n in self.fallback_counts.items()},
             "capture_sizes": list(self.capture_sizes),
             "captures": [c.to_dict() for c in self.captures],
             "pieces": [[p.to_dict() for p in graph] for graph in self.pieces],
@@ -298,7 +335,8 @@ class Report:
             lines.extend(f"    {note}" for note in self.notes)
         if self.fallbacks:
             lines.append("  fallbacks:")
-            lines.extend(f"    {n} x {reason}" for reason, n in self.fallbacks.items())
+            lines.extend(f"    {n} x {self.fallback_kinds[reason].value}: {reason}"
+                         for reason, n in self.fallbacks.items())
         lines.extend(f"  {n} x recompiled: {reason}" for reason, n in self.recompile_reasons.items())
         return "\n".join(lines)
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import candidates
-from .report import Report, first_line
+from .report import FallbackKind, Report, first_line
 
 LEVELS = (1, 2)
 # Level 2 must beat level 1 by this much: level 1 compiles in seconds and replays as one
@@ -68,14 +68,16 @@ class LevelChoice:
                 if why is None:
                     agreeing[level] = runtime
                 else:
-                    self.report.fallback(f"graph_opt_level='auto': level {level} of graph {self.record['graph']} "
+                    self.report.fallback(FallbackKind.LEVEL,
+                                         f"graph_opt_level='auto': level {level} of graph {self.record['graph']} "
                                          f"{why}; it is not a candidate")
             try:
                 seconds = self._time(agreeing, args, state)
                 reason = None
             except Exception as error:  # noqa: BLE001 - a run that passed its check may still fail when repeated
                 reason = f"timing its levels failed ({type(error).__name__}: {first_line(error)[:200]})"
-                self.report.fallback(f"graph_opt_level='auto': graph {self.record['graph']}: {reason}")
+                self.report.fallback(FallbackKind.LEVEL,
+                                     f"graph_opt_level='auto': graph {self.record['graph']}: {reason}")
                 seconds = {level: 0.0 for level in agreeing if level == min(agreeing)}
         level = pick(seconds) if seconds else 0
         self.record.update(level=level, seconds={str(k): round(v, 7) for k, v in seconds.items()},
@@ -97,7 +99,7 @@ def choose(compile_at: Callable[[int], Callable], eager: Callable, stateful: lis
         runtimes[2] = compile_at(2)
     except Exception as error:  # noqa: BLE001 - Inductor failing on a graph must not fail the model
         why = f"level 2 failed to compile ({type(error).__name__}: {first_line(error)[:200]})"
-        report.fallback(f"graph_opt_level='auto': {why}; level 1 serves graph {record['graph']}")
+        report.fallback(FallbackKind.LEVEL, f"graph_opt_level='auto': {why}; level 1 serves graph {record['graph']}")
         record.update(level=1, seconds={}, reason=why)
         return runtimes[1]
     return LevelChoice(runtimes, eager, stateful, record, report, chosen)

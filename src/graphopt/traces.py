@@ -39,6 +39,7 @@ from ._compat import recompile as compat_recompile
 from ._compat import trace_graph
 from ._compat import traces as dynamo_traces
 from .backend import Backend, records_autograd
+from .report import FallbackKind
 
 MISS = object()       # what `StoredTraces.__call__` returns for a call Dynamo must run
 
@@ -228,7 +229,8 @@ class StoredTraces:
             dynamo_traces.loads(data, self.function)  # what does not load here would not load in a later process
             trace.data, trace.identities = data, identities
         except Exception as error:  # noqa: BLE001 - unpicklable state costs later processes a trace, not this one
-            self.backend.report().fallback(f"cache_dir: a trace of {_qualified(self.function)} is used in this "
+            self.backend.report().fallback(FallbackKind.TRACE_NOT_STORED,
+                                           f"cache_dir: a trace of {_qualified(self.function)} is used in this "
                                            f"process only: it cannot be stored ({_why(error)})")
             if not trace.records_autograd:  # the same step under no_grad stores: not the step's lasting state
                 self._unstorable(_why(error))
@@ -247,12 +249,14 @@ class StoredTraces:
 
     def _give_up(self, reason: str) -> None:
         self.untraceable = reason
-        self.backend.report().fallback(f"cache_dir: {_qualified(self.function)} runs under torch.compile's own "
+        self.backend.report().fallback(FallbackKind.TRACE_NOT_USED,
+                                       f"cache_dir: {_qualified(self.function)} runs under torch.compile's own "
                                        f"dispatch from now on, without stored traces ({reason})")
 
     def _refuse(self, trace: _Trace, reason: str) -> None:
         trace.refused = reason
-        self.backend.report().fallback(f"cache_dir: a stored trace of {_qualified(self.function)} is not used "
+        self.backend.report().fallback(FallbackKind.TRACE_NOT_USED,
+                                       f"cache_dir: a stored trace of {_qualified(self.function)} is not used "
                                        f"({reason}); the step is traced again")
 
 

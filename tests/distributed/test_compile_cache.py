@@ -29,7 +29,8 @@ def two_starts(rank: int, world: int, cache_dir: str) -> dict:
         tokens = generate(model, prompts, 6, step=step)
         report = step.report()
         found[start] = {"equal": torch.equal(tokens, expected), "hits": report.cache_hits,
-                        "misses": report.cache_misses, "replays": report.replays, "fallbacks": list(report.fallbacks)}
+                        "misses": report.cache_misses, "replays": report.replays,
+                        "kinds": sorted(kind.value for kind in report.fallback_counts)}
     return found
 
 
@@ -41,4 +42,4 @@ def test_second_start_loads_every_rank_and_gives_the_same_tokens(tmp_path):
         # torch 2.13 cannot load a trace whose guards read a process group: the first
         # start's trace served its process, the second's Dynamo traces; the graphs
         # still come from the cache.
-        assert all("could not store its trace" in reason for reason in rank["second"]["fallbacks"])
+        assert set(rank["second"]["kinds"]) <= {"trace_not_stored", "trace_not_used"}

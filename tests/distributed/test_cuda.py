@@ -39,7 +39,8 @@ def decode_with_cuda_graphs(rank: int, world: int, fail_capture_on: int | None) 
     same = all(torch.equal(generate(model, _prompts(b), 6, step=step), generate(full, _prompts(b), 6))
                for b in (3, 2))
     report = step.report()
-    return {"same": same, "replays": report.replays, "fallbacks": list(report.fallbacks)}
+    return {"same": same, "replays": report.replays, "fallbacks": list(report.fallbacks),
+            "kinds": sorted(kind.value for kind in report.fallback_counts)}
 
 
 def test_greedy_tokens_with_cuda_graphs_equal_the_single_gpu_model():
@@ -51,5 +52,6 @@ def test_a_cuda_graph_capture_failing_on_one_rank_makes_every_rank_fall_back():
     results = run_ranks(decode_with_cuda_graphs, 1, backend="nccl", timeout=300)
     assert all(result["same"] for result in results)
     assert results[0]["replays"] == results[1]["replays"]
+    assert all(result["kinds"] == ["capture_refused"] for result in results), results
     assert any("on another rank" in reason for reason in results[0]["fallbacks"])
     assert any("capture failed on purpose" in reason for reason in results[1]["fallbacks"])

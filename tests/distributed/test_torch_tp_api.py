@@ -16,11 +16,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import graphopt
 
 VARIANTS = [(level, graphs) for level in (0, 1, 2) for graphs in (False, True)]
-FALLBACK = {0: "is a DeviceMesh, not a tensor or a number, so the graph runs without device graphs",
-            1: "is a DeviceMesh, not a tensor or a number, so the graph runs without device graphs",
-            2: "use_cudagraph with graph_opt_level=2 on CPU"}
-
-
 class Block(torch.nn.Module):
     """Pre-norm residual MLP: the shape of a decoder layer's second half."""
 
@@ -62,7 +57,7 @@ def every_variant(rank: int, world: int) -> dict:
             report = opt.report() if level or graphs else None
             found[(level, graphs)] = {
                 "difference": max((o - e).abs().max().item() for o, e in zip(outs, expected)),
-                "replays": report.replays if report else 0, "fallbacks": list(report.fallbacks) if report else []}
+                "replays": report.replays if report else 0, "kinds": sorted(kind.value for kind in report.fallback_counts) if report else []}
     return found
 
 
@@ -79,5 +74,5 @@ def test_torch_tp_api_model_equals_the_unsharded_model(ranks, level, graphs):
         assert found["difference"] < 1e-5
         if graphs:
             assert found["replays"] == 0
-            [reason] = found["fallbacks"]
-            assert FALLBACK[level] in reason
+            # Level 0 and 1: a DeviceMesh argument; level 2: Inductor's kernels on CPU.
+            assert found["kinds"] == ["no_device_graph"]

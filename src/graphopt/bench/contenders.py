@@ -17,7 +17,7 @@ from ..api import optimize
 from ..config import GraphOptimizationConfig
 from ..config_checks import EXECUTORS
 from ..executors import onnxruntime_session, openvino_runner, quiet_export
-from ..report import Report
+from ..report import FallbackKind, Report
 from .measure import GraphFigures
 from .workloads import Step, Workload
 
@@ -58,6 +58,9 @@ TUNED = {"cpu": {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 # Left out of a run unless named (the zoo runs them by default): they would lengthen
 # every workload's run and table.
 OPT_IN = ("compile-max", "default", "auto")
+# The fallbacks that change how a step's device graphs run, which `describe` lists below the table.
+DEVICE_GRAPH_KINDS = (FallbackKind.NO_DEVICE_GRAPH, FallbackKind.CAPTURE_REFUSED, FallbackKind.EXACT_SIZE,
+                      FallbackKind.SLOW_REPLAY)
 
 
 def contenders(device: str) -> list[Contender]:
@@ -258,7 +261,7 @@ def describe(step: Step, contender: Contender) -> tuple[str, list[str]]:
     if contender.kind != "graphopt":
         return "", []
     report = report_of(step)
-    reasons = [reason for reason in report.fallbacks if reason.startswith("use_cudagraph")]
+    reasons = [reason for reason, kind in report.fallback_kinds.items() if kind in DEVICE_GRAPH_KINDS]
     if not contender.device_graphs:
         return (f"{len(report.graphs)} graph{'s' * (len(report.graphs) != 1)}" if report.graphs else ""), []
     if report.replays == 0:  # every call ran without a device graph

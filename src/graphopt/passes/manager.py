@@ -32,7 +32,7 @@ import torch.fx
 from .. import _compat
 from .._compat.names import tensor_leaves, tree_leaves
 from ..config import GraphOptimizationConfig, tolerance
-from ..report import GraphRecord, PassRecord, Report, first_line
+from ..report import FallbackKind, GraphRecord, PassRecord, Report, first_line
 from . import precision
 from .base import PassResult
 from .fusion import fused_op_counts
@@ -162,12 +162,12 @@ class PassManager:
         precision.prepare(gm, config, report.fallback)
         verify_inputs = inputs if config.verify and real else None
         if config.verify and not real:
-            report.fallback("verify skipped: the ATen graph's inputs do not match Dynamo's example "
-                            "inputs (AOTAutograd added or merged inputs, or a piece of a split graph "
-                            "reads intermediate values)")
+            report.fallback(FallbackKind.UNCHECKED, "verify skipped: the ATen graph's inputs do not match "
+                            "Dynamo's example inputs (AOTAutograd added or merged inputs, or a piece of a split "
+                            "graph reads intermediate values)")
         if config.freeze_parameters and not matched:
-            report.fallback("freeze_parameters: the ATen graph's inputs do not match Dynamo's example "
-                            "inputs, so parameters stay live inputs")
+            report.fallback(FallbackKind.NOT_FROZEN, "freeze_parameters: the ATen graph's inputs do not match "
+                            "Dynamo's example inputs, so parameters stay live inputs")
         self.run(gm, record.index, verify_inputs, inputs if real else None)
         record.nodes_after = _count_ops(gm.graph)
         record.precision = dict(gm.meta.get(precision.PRECISION_ERROR, {}))
@@ -178,7 +178,7 @@ class PassManager:
         return {"record": {"nodes_before": record.nodes_before, "nodes_after": record.nodes_after,
                            "fused_ops": dict(record.fused_ops), "precision": dict(record.precision)},
                 "passes": report.passes[first_pass:], "memory": report.memory[first_plan:],
-                "fallbacks": dict(Counter(report.fallbacks) - fallbacks_before)}
+                "fallbacks": report.fallbacks_since(fallbacks_before)}
 
     def run(self, gm: torch.fx.GraphModule, graph_index: int, verify_inputs: Sequence[Any] | None = None,
             example_inputs: Sequence[Any] | None = None) -> torch.fx.GraphModule:
@@ -235,8 +235,8 @@ class _Run:
             if self.verify:
                 raise PassVerificationError(f"pass {name!r} left an invalid graph: {problem}. {advice}")
             before.restore(self.gm)
-            self.report.fallback(f"pass {name!r} left an invalid graph ({problem}); it was undone for "
-                                 f"this graph. {advice}")
+            self.report.fallback(FallbackKind.PASS_UNDONE, f"pass {name!r} left an invalid graph ({problem}); "
+                                 f"it was undone for this graph. {advice}")
             result = PassResult(changed=False)
         self.gm.recompile()
         record = self.records.get(name)
@@ -266,7 +266,7 @@ class _Run:
             self.full_precision = _run_graph(self.gm, inputs)
         expected, result = self.full_precision, fn(self.gm)
         if result.changed and expected is None:
-            self.report.fallback(precision.NOT_MEASURED)
+            self.report.fallback(FallbackKind.UNCHECKED, precision.NOT_MEASURED)
         elif result.changed:
             self.gm.recompile()
             actual = _run_graph(self.gm, inputs)
@@ -274,7 +274,7 @@ class _Run:
                 error = precision.measured_error(self.gm, expected, actual, self.tolerance)
             if error["fell_back"]:
                 before.restore(self.gm)
-                self.report.fallback(precision.over_tolerance(name, error))
+                self.report.fallback(FallbackKind.PRECISION, precision.over_tolerance(name, error))
                 result = PassResult(changed=False)
             self.gm.meta[precision.PRECISION_ERROR] = error
         return result

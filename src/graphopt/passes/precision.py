@@ -24,6 +24,7 @@ import torch.fx
 from .. import _compat
 from .._compat import mkldnn
 from ..config import GraphOptimizationConfig
+from ..report import FallbackKind
 from .base import PassResult, erase_dead, value_of
 from .constant_fold import constant_nodes, fold_node
 from .quantize import WEIGHT_QUANTIZATION
@@ -164,24 +165,28 @@ def with_opt_in(pipeline: list[str], after: str | None, config: GraphOptimizatio
     return [*pipeline[:at], *opt_in, *pipeline[at:]]
 
 
-def prepare(gm: torch.fx.GraphModule, config: GraphOptimizationConfig, fallback: Callable[[str], None]) -> None:
+def prepare(gm: torch.fx.GraphModule, config: GraphOptimizationConfig,
+            fallback: Callable[[FallbackKind, str], None]) -> None:
     """Tell the passes that lower precision what the config asks of `gm` (`gm.meta`)."""
     if config.compute_dtype is not None:
         gm.meta[COMPUTE_DTYPE] = compute_dtype(gm, config.compute_dtype, fallback)
     gm.meta[WEIGHT_QUANTIZATION] = config.weight_quantization
 
 
-def compute_dtype(gm: torch.fx.GraphModule, name: str, fallback: Callable[[str], None]) -> torch.dtype | None:
+def compute_dtype(gm: torch.fx.GraphModule, name: str,
+                  fallback: Callable[[FallbackKind, str], None]) -> torch.dtype | None:
     """The dtype `lower_precision` computes `gm` in: `name` where the graph's device
     computes it natively, else None, with the reason given to `fallback`."""
     dtype = getattr(torch, name)
     device = _device(gm)
     if device == "cpu" and not mkldnn.cpu_has_native_bf16():
-        fallback(f"compute_dtype={name!r}: this CPU has no native bfloat16 arithmetic (AVX512-BF16 or AMX), "
+        fallback(FallbackKind.PRECISION,
+                 f"compute_dtype={name!r}: this CPU has no native bfloat16 arithmetic (AVX512-BF16 or AMX), "
                  "where bfloat16 runs slower than float32; the graph computes in float32")
         return None
     if device == "cuda" and not torch.cuda.is_bf16_supported():
-        fallback(f"compute_dtype={name!r}: this GPU has no bfloat16 arithmetic; the graph computes in float32")
+        fallback(FallbackKind.PRECISION,
+                 f"compute_dtype={name!r}: this GPU has no bfloat16 arithmetic; the graph computes in float32")
         return None
     return dtype
 

@@ -44,7 +44,7 @@ import torch
 
 from .._compat.names import tensor_leaves
 from ..config import GraphOptimizationConfig
-from ..report import BudgetRefusal, CaptureRecord, PieceRecord, Report
+from ..report import BudgetRefusal, CaptureRecord, FallbackKind, PieceRecord, Report
 from .device_graph import DeviceGraph, PoolBudgetExceeded, graph_pool_handle, warmup_stream
 from .graph_outputs import GraphOutputs, layouts
 from .ranks import ranks_captured
@@ -194,7 +194,8 @@ class CapturedGraph:
             # so a backward through them would read another step's values.
             self.refused = _RECORDS_AUTOGRAD
         if self.refused is not None:
-            self.report.fallback(f"use_cudagraph: capture of {self.name} refused: {self.refused}")
+            self.report.fallback(FallbackKind.CAPTURE_REFUSED,
+                                 f"use_cudagraph: capture of {self.name} refused: {self.refused}")
         return outputs
 
     def _capture(self, point: tuple, entry: _Entry, args: tuple) -> Any:
@@ -238,7 +239,8 @@ class CapturedGraph:
         if not graph.executes_during_capture:
             graph.replay()  # a CUDA capture records without running
         if graph.replay_fallback:
-            self.report.fallback(f"use_cudagraph: host graphs replay from Python (~3 us more per op): "
+            self.report.fallback(FallbackKind.SLOW_REPLAY,
+                                 f"use_cudagraph: host graphs replay from Python (~3 us more per op): "
                                  f"{graph.replay_fallback}")
         entry.graph, entry.replay, entry.outputs = graph, graph.replayer, outputs
         entry.inputs = [(i, a, how) for i, (a, how) in enumerate(zip(args, hows)) if isinstance(a, torch.Tensor)]
@@ -300,7 +302,8 @@ class CapturedGraph:
         entry.refused = True
         self.refused_sizes.add(point[0])
         self.report.budget_refusals.append(BudgetRefusal(self.name, point[0], needed, available))
-        self.report.fallback(f"graph_memory_budget: capture of {self.name} at size {point[0]} refused: the graph "
+        self.report.fallback(FallbackKind.CAPTURE_REFUSED,
+                             f"graph_memory_budget: capture of {self.name} at size {point[0]} refused: the graph "
                              f"pools would hold {needed} bytes, {available} are left of the budget")
         return outputs
 
@@ -310,7 +313,8 @@ class CapturedGraph:
         (a host graph runs the step as it records it), else an eager run."""
         where = f"here ({type(error).__name__}: {error})" if error is not None else "on another rank"
         self.refused = f"the capture failed {where}, so no rank of process groups {self.groups} replays it"
-        self.report.fallback(f"use_cudagraph: capture of {self.name} refused: {self.refused}")
+        self.report.fallback(FallbackKind.CAPTURE_REFUSED,
+                             f"use_cudagraph: capture of {self.name} refused: {self.refused}")
         for entry in self.entries.values():  # sizes captured before: never replayed again
             if entry.graph is not None:
                 entry.graph.reset()

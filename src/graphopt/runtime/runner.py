@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import GraphOptimizationConfig
-from ..report import PlanRecord, Report
+from ..report import FallbackKind, PlanRecord, Report
 from .capture import CapturedGraph, running_at
 from .capture_plan import Planner, TrafficStore, is_traffic
 from .dispatch import Dispatcher
@@ -118,12 +118,14 @@ class GraphRunner:
         if not self.inputs_checked:
             self.unsupported, self.inputs_checked = _unsupported_input(args), True
         if self.unsupported is not None:
-            self.report.fallback(f"use_cudagraph: {self.unsupported}, so the graph runs without device graphs")
+            self.report.fallback(FallbackKind.NO_DEVICE_GRAPH,
+                                 f"use_cudagraph: {self.unsupported}, so the graph runs without device graphs")
             return None
         try:
             batch = self.signature.batch_of(args)
         except BatchMismatch as error:
-            self.report.fallback(f"use_cudagraph: {error}; running without a device graph")
+            self.report.fallback(FallbackKind.NO_DEVICE_GRAPH,
+                                 f"use_cudagraph: {error}; running without a device graph")
             return None
         traffic = is_traffic()
         if traffic:
@@ -131,19 +133,21 @@ class GraphRunner:
             if self.planner is not None and batch is not None:
                 self._observe(batch)
         if self.unsaid_exact_reason is not None:
-            self.report.fallback(f"use_cudagraph: batches are not padded to capture sizes but captured at "
+            self.report.fallback(FallbackKind.EXACT_SIZE,
+                                 f"use_cudagraph: batches are not padded to capture sizes but captured at "
                                  f"their exact size, because {self.unsaid_exact_reason}")
             self.unsaid_exact_reason = None
         dispatch = self.dispatcher(batch)
         if dispatch.mode == "none":
             if dispatch.reason:
-                self.report.fallback(f"use_cudagraph: {dispatch.reason} (the batch: "
+                self.report.fallback(FallbackKind.NO_DEVICE_GRAPH, f"use_cudagraph: {dispatch.reason} (the batch: "
                                      f"{self.signature.batch_names}; declare it with dynamic_dims)")
             return None
         other = self.signature.other_sizes(args) if self.signature.other_symints else ()
         if other not in self.other_values:
             if len(self.other_values) >= MAX_OTHER_VALUES:
-                self.report.fallback(f"use_cudagraph: a size or number the graph reads ({self.signature.other_names}) "
+                self.report.fallback(FallbackKind.NO_DEVICE_GRAPH,
+                                     f"use_cudagraph: a size or number the graph reads ({self.signature.other_names}) "
                                      f"took more than {MAX_OTHER_VALUES} values; new ones run without a "
                                      "device graph, since each would need a capture of its own")
                 return None
