@@ -29,7 +29,7 @@ LAYERS = {  # the first part of a module's dotted name below graphopt -> its lay
     "config": BASE, "config_checks": BASE, "report": BASE, "cache": BASE, "cache_trust": BASE, "cache_transfer": BASE, "arena": BASE, "bindings": BASE, "kernels": BASE,
     "models": BASE, "_compat": BASE,
     "passes": "passes", "runtime": "runtime",
-    "backend": "backend", "backend_cache": "backend", "modes": "backend", "repack": "backend", "recompiles": "backend",
+    "backend": "backend", "backend_cache": "backend", "modes": "backend", "repack": "backend", "frozen_watch": "backend", "recompiles": "backend",
     "executors": "backend", "backend_runtime": "backend", "tiers": "backend", "candidates": "backend", "inductor_options": "backend",
     "lowering": "backend",
     "api": "api", "traces": "api", "guards": "api",

@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx
 
-from . import _compat, cache, executors, modes, recompiles, tiers
+from . import _compat, cache, executors, frozen_watch, modes, recompiles, tiers
 from ._compat import autotune
 from ._compat import cache as compat_cache
 from ._compat import recompile as compat_recompile
@@ -61,6 +61,7 @@ class Backend:
         self.pad_values = dict(pad_values or {})
         self.graph_modules: list[torch.fx.GraphModule] = []
         self.repackables: list[Repackable] = []
+        self.frozen_watches: list[frozen_watch.FrozenWatch] = []  # with freeze_parameters: one per graph
         self.callers: set[int] = set()  # threads that called a GraphRunner of this Backend
         self.graph_pools: dict[str, Any] = {}  # device -> the graph pool its runners' CUDA graphs share
         self.replay_lock = threading.RLock()  # so they never replay at once (runtime/runner.py)
@@ -99,7 +100,10 @@ class Backend:
 
         for repackable in self.repackables:
             repackable.repack()
-        return sum(refresh_folded_constants(gm) for gm in self.graph_modules)
+        refreshed = sum(refresh_folded_constants(gm) for gm in self.graph_modules)
+        for watch in self.frozen_watches:
+            watch.snapshot()
+        return refreshed
 
     def capture_calls(self) -> contextlib.AbstractContextManager:
         """Calls made to capture (capture_all()): not traffic, so not counted nor planned on."""
@@ -139,6 +143,9 @@ class Backend:
         runtime, spec = self._compile_runtime(gm, example_inputs)
         if self.config.executors and self._level(device_type(example_inputs)):  # an engine may run it instead
             runtime = executors.choose(gm, example_inputs, runtime, self.config, self._report, self.repackables)
+        if self.config.freeze_parameters and self._level(device_type(example_inputs)) != 0:
+            runtime = frozen_watch.watch(runtime, gm, example_inputs, self)  # a changed weight refreshes first
+            self.frozen_watches.append(runtime)
         return runtime, spec
 
     def _compile_runtime(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Callable, Any]:
@@ -274,9 +281,11 @@ class Backend:
         renews = not optimized or any(options.get(k) for k in WEIGHT_COPYING_INDUCTOR_OPTIONS)
         if self.config.freeze_parameters and renews:
             # Without Inductor's caches a second compile takes its copies of the weights anew.
-            again = functools.partial(_compat.inductor_compile, gm, example_inputs, post_grad_pass,
+            inputs = list(example_inputs)
+            again = functools.partial(_compat.inductor_compile, gm, inputs, post_grad_pass,
                                       passes, {**options, "force_disable_caches": True})
-            compiled = Repackable(compiled, again, optimized, self.graph_modules, self._report)
+            compiled = Repackable(compiled, again, optimized, self.graph_modules, self._report,
+                                  held=[inputs, real_inputs])
             self.repackables.append(compiled)
         return compiled
 
