@@ -41,7 +41,8 @@ class FrozenWatch:
                  names: list[str]):
         self.runtime, self.backend = runtime, backend
         self.positions, self.tensors, self.names = positions, tensors, names
-        self._boxed_call = getattr(runtime, "_boxed_call", False)  # Dynamo's calling convention
+        # AOTAutograd's convention, kept for callers that read it: a boxed call passes one list.
+        self._boxed_call = getattr(runtime, "_boxed_call", False)
         self.learned = False
         self.snapshot()
 
@@ -52,7 +53,7 @@ class FrozenWatch:
 
     def __call__(self, *args: Any) -> Any:
         if self.assignments != _assignments[0] or list(map(_version, self.tensors)) != self.versions:
-            self._changed(args[0] if self._boxed_call else args)
+            self._changed(args[0] if len(args) == 1 and isinstance(args[0], list) else args)
         if self.learned:
             return self.runtime(*args)
         return self._first(*args)
