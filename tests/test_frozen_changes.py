@@ -31,9 +31,9 @@ def inputs():
     return torch.randn(2, 8, generator=generator), torch.randn(1, 3, 8, 8, generator=generator)
 
 
-def optimized(model, level=1):
+def optimized(model, level=1, cache_dir=None):
     torch._dynamo.reset()
-    config = graphopt.GraphOptimizationConfig(graph_opt_level=level, freeze_parameters=True, cache_dir=None)
+    config = graphopt.GraphOptimizationConfig(graph_opt_level=level, freeze_parameters=True, cache_dir=cache_dir)
     return graphopt.optimize(model, config)
 
 
@@ -122,6 +122,20 @@ def test_refresh_by_hand_is_not_repeated_at_the_next_call():
     assert step.refresh() > 0
     assert_like_eager(step, model)
     assert not step.report().weight_refreshes
+
+
+def test_with_the_compile_cache_and_its_traces(tmp_path):
+    for _ in range(2):  # the second start loads the graph from the cache (same weights)
+        torch.manual_seed(0)
+        model = Scaled().eval()
+        step = optimized(model, cache_dir=str(tmp_path))
+        assert_like_eager(step, model)
+        reassigned(model)
+        assert_like_eager(step, model)
+        in_place(model)
+        assert_like_eager(step, model)
+        assert sum(step.report().weight_refreshes.values()) == 2
+    assert step.report().cache_hits >= 1
 
 
 def test_level_2_reassigned_weight():

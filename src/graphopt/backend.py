@@ -146,6 +146,8 @@ class Backend:
         if self.config.freeze_parameters and self._level(device_type(example_inputs)) != 0:
             runtime = frozen_watch.watch(runtime, gm, example_inputs, self)  # a changed weight refreshes first
             self.frozen_watches.append(runtime)
+        elif self._level(device_type(example_inputs)) != 0:
+            frozen_watch.note_unfrozen(gm, example_inputs, self._report)
         return runtime, spec
 
     def _compile_runtime(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Callable, Any]:

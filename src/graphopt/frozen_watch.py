@@ -14,7 +14,8 @@ of such a Backend runs behind a `FrozenWatch`, which before every call compares
 On a change the Backend's values are pointed at the new tensors and refreshed (what
 `refresh()` does) before the call runs, and `report().weight_refreshes` counts why.
 A write through `.data` (`p.data.mul_(2)`, `p.data = t`) bumps no version counter and
-assigns nothing: it is not noticed; call `refresh()` after one.
+assigns nothing, and a tensor put in `m._parameters` directly runs no hook: neither is
+noticed; call `refresh()` after one.
 """
 
 from __future__ import annotations
@@ -91,6 +92,21 @@ def watch(runtime: Callable, gm: torch.fx.GraphModule, example_inputs: Sequence[
             tensors.append(value)
             names.append(_short(source))
     return FrozenWatch(runtime, backend, positions, tensors, names)
+
+
+UNFROZEN = ("freeze_parameters=False: a graph ran in inference (no grad) with its weights as live inputs; "
+            "freeze_parameters=True would fold and pack them, and notices a change to them before each call "
+            "(not a write through .data); see the configuration docs, Frozen weights")
+
+
+def note_unfrozen(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], report: Any) -> None:
+    """Say once (a note) that a graph could have run on frozen weights: it takes some, and
+    records no autograd history."""
+    weights = [x for x, kind in zip(example_inputs, _compat.input_kinds(gm))
+               if kind != "input" and isinstance(x, torch.Tensor)]
+    if UNFROZEN not in report.notes and weights and not (
+            torch.is_grad_enabled() and any(x.requires_grad for x in example_inputs if isinstance(x, torch.Tensor))):
+        report.notes.append(UNFROZEN)
 
 
 def refresh(backend: Any, moved: dict[int, torch.Tensor], reason: str) -> None:
