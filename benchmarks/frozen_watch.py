@@ -134,7 +134,8 @@ def main() -> None:
     console = Console()
     console.print(table)
     for model in ("decoder", "MLP"):
-        console.print(f"{model}: frozen with the check / without it {us[f'{model} L1 frozen'] / us[f'{model} L1 frozen, unchecked']:.3f}x")
+        ratio = us[f"{model} L1 frozen"] / us[f"{model} L1 frozen, unchecked"]
+        console.print(f"{model}: frozen with the check / without it {ratio:.3f}x")
     console.print(f"decode step, live / frozen weights at level 1 (above 1: freezing is faster): "
                   f"{us['decoder L1 live'] / us['decoder L1 frozen']:.2f}x")
 

@@ -143,12 +143,8 @@ class Backend:
         runtime, spec = self._compile_runtime(gm, example_inputs)
         if self.config.executors and self._level(device_type(example_inputs)):  # an engine may run it instead
             runtime = executors.choose(gm, example_inputs, runtime, self.config, self._report, self.repackables)
-        if self.config.freeze_parameters and self._level(device_type(example_inputs)) != 0:
-            runtime = frozen_watch.watch(runtime, gm, example_inputs, self)  # a changed weight refreshes first
-            self.frozen_watches.append(runtime)
-        elif self._level(device_type(example_inputs)) != 0:
-            frozen_watch.note_unfrozen(gm, example_inputs, self._report)
-        return runtime, spec
+        # With frozen weights, a changed weight refreshes before the call.
+        return frozen_watch.watched(runtime, gm, example_inputs, self, self._level(device_type(example_inputs))), spec
 
     def _compile_runtime(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Callable, Any]:
         self.compiled_dynamic |= any(isinstance(x, torch.SymInt) for x in example_inputs)

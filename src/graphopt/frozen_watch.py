@@ -82,11 +82,26 @@ class FrozenWatch:
         refresh(self.backend, moved, reason)
 
 
+def watched(runtime: Callable, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], backend: Any,
+            level: int | str) -> Callable:
+    """`runtime` of `gm` (compiled at `level`), behind a FrozenWatch where the Backend freezes
+    weights (added to its `frozen_watches`); else as it is, with a note where it could have."""
+    if level == 0:
+        return runtime
+    if not backend.config.freeze_parameters:
+        note_unfrozen(gm, example_inputs, backend.report())
+        return runtime
+    frozen = watch(runtime, gm, example_inputs, backend)
+    backend.frozen_watches.append(frozen)
+    return frozen
+
+
 def watch(runtime: Callable, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], backend: Any) -> FrozenWatch:
     """`runtime` behind a FrozenWatch of the parameters and buffers Dynamo passes to `gm`."""
     _count_assignments()
     positions, tensors, names = [], [], []
-    for i, (value, kind, source) in enumerate(zip(example_inputs, _compat.input_kinds(gm), _compat.input_sources(gm))):
+    described = zip(example_inputs, _compat.input_kinds(gm), _compat.input_sources(gm))
+    for i, (value, kind, source) in enumerate(described):
         if kind != "input" and isinstance(value, torch.Tensor) and not value.is_inference():
             positions.append(i)
             tensors.append(value)

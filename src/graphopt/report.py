@@ -284,7 +284,8 @@ class Report:
                          + f", {self.traces_used} stored traces used, {self.traces_stored} stored")
         if self.repacks:
             lines.append(f"  refresh(): {self.repacks} graph(s) compiled again for Inductor's packed weights")
-        lines.extend(f"  frozen weights changed, refreshed {n} time(s): {why}" for why, n in self.weight_refreshes.items())
+        lines.extend(f"  frozen weights changed, refreshed {n} time(s): {why}"
+                     for why, n in self.weight_refreshes.items())
         lines.extend(_choice_line(c) for c in self.level_choices)
         for e in self.executors:
             timed = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in e["seconds"].items())
