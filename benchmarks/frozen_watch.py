@@ -3,10 +3,11 @@
 With `freeze_parameters=True` every call of a compiled graph first reads the version
 counter of each parameter and buffer the graph takes and compares one process-wide
 count of assignments. This times that check alone (the same expression `FrozenWatch`
-runs, over the graph's own tensors) and the whole step it guards, on the reference
+runs, over the graph's own tensors), the step's compiled graphs called with the
+arguments Dynamo passed them, straight and through their watches (what a watch adds,
+check and call together, without Dynamo's noise), and the whole step, on the reference
 decoder's decode step at batch 1 and on a tiny MLP, in interleaved rounds, median µs;
-the same frozen steps with the check taken out (what it adds end to end); and the
-decode step at level 1 with live weights (the default) against frozen ones, which is
+and the decode step at level 1 with live weights (the default) against frozen ones, which is
 what freezing gains there.
 
     python benchmarks/frozen_watch.py
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import statistics
 import time
 import types
@@ -62,25 +62,22 @@ def check_of(step: Callable) -> tuple[Callable, int]:
     return check, sum(len(w.tensors) for w in watches)
 
 
-class Unchecked(frozen_watch.FrozenWatch):
-    """A FrozenWatch that calls its graph without the check: what the check adds, end to end."""
-
-    def __call__(self, *args):
-        return self.runtime(*args)
-
-
-def checking(step: Callable, check: bool) -> None:
-    """Have `step`'s watches check (FrozenWatch) or not (Unchecked) from now on."""
+def graph_calls(step: Callable, inputs: tuple) -> tuple[Callable, Callable]:
+    """Calls of `step`'s compiled graphs with the arguments Dynamo passed them on one step:
+    through their watches, and straight to the graphs (what the watch adds, without Dynamo)."""
+    calls = []
     for watch in step._step.backend.frozen_watches:
-        watch.__class__ = frozen_watch.FrozenWatch if check else Unchecked
+        graph = watch.runtime
+        watch.runtime = lambda *args, graph=graph: calls.append((watch, args)) or graph(*args)
+        step(*inputs)
+        watch.runtime = graph
+    return (lambda: [w(*args) for w, args in calls]), (lambda: [w.runtime(*args) for w, args in calls])
 
 
-def median_us(variants: dict[str, Callable], rounds: int, calls: int,
-              before: dict[str, Callable]) -> dict[str, float]:
+def median_us(variants: dict[str, Callable], rounds: int, calls: int) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
         for name, fn in variants.items():
-            before.get(name, lambda: None)()
             start = time.perf_counter()
             for _ in range(calls):
                 fn()
@@ -104,38 +101,35 @@ def main() -> None:
     steps = {"decoder L1 frozen": (optimized(decoder, True), (ids, positions, slots)),
              "decoder L1 live": (optimized(decoder, False), (ids, positions, slots)),
              "MLP L1 frozen": (optimized(small, True), (x,))}
-    variants, sizes, before = {}, {}, {}
+    variants, sizes = {}, {}
     with torch.no_grad():
         for name, (step, inputs) in steps.items():
             for _ in range(3):
                 step(*inputs)
             variants[name] = lambda step=step, inputs=inputs: step(*inputs)
-            if name.endswith("frozen"):  # the same step, its watches switched off for this variant's rounds
-                variants[f"{name}, unchecked"] = variants[name]
-                before[name] = functools.partial(checking, step, True)
-                before[f"{name}, unchecked"] = functools.partial(checking, step, False)
+            if name.endswith("frozen"):
                 check, sizes[name] = check_of(step)
                 assert not check(), "a weight changed during warm-up"
                 variants[f"{name}: check"] = check
-        us = median_us(variants, args.rounds, args.calls, before)
-        for name, (step, _) in steps.items():
-            checking(step, True)
+                variants[f"{name}: watched graphs"], variants[f"{name}: graphs"] = graph_calls(step, inputs)
+        us = median_us(variants, args.rounds, args.calls)
     for name, (step, _) in steps.items():
         assert not step.report().weight_refreshes, f"{name} refreshed: {step.report().weight_refreshes}"
     table = Table(title=f"frozen-weight check, {args.config} reference decoder (batch 1) and a tiny MLP",
                   caption=f"torch {torch.__version__} · {args.threads} thread(s) · median of {args.rounds} "
                           f"interleaved rounds of {args.calls} calls")
-    for column in ("step", "tensors watched", "step µs", "check µs", "check / step"):
+    for column in ("step", "tensors watched", "step µs", "check µs", "graphs alone µs", "graphs watched µs",
+                   "watch / step"):
         table.add_column(column, justify="left" if column == "step" else "right")
-    for name in (n for n in variants if not n.endswith(": check")):
-        check = us.get(f"{name}: check")
-        table.add_row(name, str(sizes.get(name, "-")), f"{us[name]:.1f}",
-                      "-" if check is None else f"{check:.2f}", "-" if check is None else f"{check / us[name]:.1%}")
-    console = Console()
+    for name in steps:
+        if name not in sizes:
+            table.add_row(name, "-", f"{us[name]:.1f}", "-", "-", "-", "-")
+            continue
+        alone, watched = us[f"{name}: graphs"], us[f"{name}: watched graphs"]
+        table.add_row(name, str(sizes[name]), f"{us[name]:.1f}", f"{us[f'{name}: check']:.2f}", f"{alone:.1f}",
+                      f"{watched:.1f}", f"{(watched - alone) / us[name]:.1%}")
+    console = Console(width=120)
     console.print(table)
-    for model in ("decoder", "MLP"):
-        ratio = us[f"{model} L1 frozen"] / us[f"{model} L1 frozen, unchecked"]
-        console.print(f"{model}: frozen with the check / without it {ratio:.3f}x")
     console.print(f"decode step, live / frozen weights at level 1 (above 1: freezing is faster): "
                   f"{us['decoder L1 live'] / us['decoder L1 frozen']:.2f}x")
 
