@@ -146,3 +146,18 @@ def test_level_2_reassigned_weight():
     reassigned(model)
     assert_like_eager(step, model)
     assert list(step.report().weight_refreshes) == ["reassigned: scale"]
+
+
+def test_the_report_notes_a_graph_that_could_have_been_frozen():
+    model = Scaled().eval()
+    torch._dynamo.reset()
+    step = graphopt.optimize(model, graphopt.GraphOptimizationConfig(cache_dir=None, use_cudagraph=False))
+    assert_like_eager(step, model)  # under no_grad: inference
+    notes = [n for n in step.report().notes if n.startswith("freeze_parameters=False")]
+    assert len(notes) == 1 and "would fold and pack them" in notes[0] and "notes:" in str(step.report())
+    assert not step._step.backend.frozen_watches
+
+    torch._dynamo.reset()
+    training = graphopt.optimize(model, graphopt.GraphOptimizationConfig(cache_dir=None, use_cudagraph=False))
+    training(*inputs())[0].sum().backward()  # records autograd: freezing would not apply
+    assert not any(n.startswith("freeze_parameters=False") for n in training.report().notes)
