@@ -86,10 +86,9 @@ def test_refresh_exports_the_weights_again(engine_wins):
     args = inputs(2)
     with torch.inference_mode():
         step(*args)
-        with torch.no_grad():
-            for m in model.modules():
-                if isinstance(m, nn.Conv2d):
-                    m.weight.mul_(1.5)
+        for m in model.modules():
+            if isinstance(m, nn.Conv2d):
+                m.weight.data.mul_(1.5)  # through .data: not noticed, so stale until refresh()
         stale = step(*args)
         step.refresh()
         fresh = model(*args)

@@ -30,6 +30,7 @@ LAYERS = {  # the first part of a module's dotted name below graphopt -> its lay
     "models": BASE, "_compat": BASE,
     "passes": "passes", "runtime": "runtime",
     "backend": "backend", "backend_cache": "backend", "registry": "backend", "repack": "backend", "recompiles": "backend",
+    "frozen_watch": "backend",
     "executors": "backend", "backend_runtime": "backend", "tiers": "backend", "candidates": "backend", "inductor_options": "backend",
     "lowering": "backend",
     "api": "api", "traces": "api", "guards": "api",

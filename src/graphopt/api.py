@@ -158,10 +158,11 @@ class _Optimized:
         return self._step.backend.report()
 
     def refresh(self) -> int:
-        """After an in-place weight update with freeze_parameters=True: recompute
-        every value constant folding computed from the weights, and compile again
-        each level-2 graph whose code holds Inductor's own copies of them (packed
-        GEMM weights: seconds per graph, `report().repacks`). Returns how many
+        """With freeze_parameters=True: recompute every value constant folding computed
+        from the weights, and compile again each level-2 graph whose code holds Inductor's
+        own copies of them (packed GEMM weights: seconds per graph, `report().repacks`).
+        A call does this itself when it notices a changed weight (frozen_watch.py); call
+        it after a change it cannot notice, a write through `.data`. Returns how many
         folded values were recomputed."""
         return self._step.backend.refresh()
 

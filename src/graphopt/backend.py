@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx
 
-from . import _compat, cache, executors, recompiles, tiers
+from . import _compat, cache, executors, frozen_watch, recompiles, tiers
 from ._compat import autotune
 from ._compat import cache as compat_cache
 from ._compat import recompile as compat_recompile
@@ -61,6 +61,7 @@ class Backend:
         self.pad_values = dict(pad_values or {})
         self.graph_modules: list[torch.fx.GraphModule] = []
         self.repackables: list[Repackable] = []
+        self.frozen_watches: list[frozen_watch.FrozenWatch] = []  # with freeze_parameters: one per graph
         self.callers: set[int] = set()  # threads that called a GraphRunner of this Backend
         self.graph_pools: dict[str, Any] = {}  # device -> the graph pool its runners' CUDA graphs share
         self.replay_lock = threading.RLock()  # so they never replay at once (runtime/runner.py)
@@ -99,6 +100,8 @@ class Backend:
 
         for repackable in self.repackables:
             repackable.repack()
+        for watch in self.frozen_watches:  # so this refresh is not repeated at the next call
+            watch.snapshot()
         return sum(refresh_folded_constants(gm) for gm in self.graph_modules)
 
     def capture_calls(self) -> contextlib.AbstractContextManager:
@@ -140,7 +143,8 @@ class Backend:
         runtime, spec = self._compile_runtime(gm, example_inputs)
         if self.config.executors and self._level(device_type(example_inputs)):  # an engine may run it instead
             runtime = executors.choose(gm, example_inputs, runtime, self.config, self._report, self.repackables)
-        return runtime, spec
+        # With frozen weights, a changed weight refreshes before the call.
+        return frozen_watch.watched(runtime, gm, example_inputs, self, self._level(device_type(example_inputs))), spec
 
     def _compile_runtime(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Callable, Any]:
         self.compiled_dynamic |= any(isinstance(x, torch.SymInt) for x in example_inputs)
@@ -276,9 +280,11 @@ class Backend:
         renews = not optimized or any(options.get(k) for k in WEIGHT_COPYING_INDUCTOR_OPTIONS)
         if self.config.freeze_parameters and renews:
             # Without Inductor's caches a second compile takes its copies of the weights anew.
-            again = functools.partial(_compat.inductor_compile, gm, example_inputs, post_grad_pass,
+            inputs = list(example_inputs)
+            again = functools.partial(_compat.inductor_compile, gm, inputs, post_grad_pass,
                                       passes, {**options, "force_disable_caches": True})
-            compiled = Repackable(compiled, again, optimized, self.graph_modules, self._report)
+            compiled = Repackable(compiled, again, optimized, self.graph_modules, self._report,
+                                  held=[inputs, real_inputs])
             self.repackables.append(compiled)
         return compiled
 

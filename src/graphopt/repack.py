@@ -22,8 +22,10 @@ class Repackable:
 
     def __init__(self, compiled: Callable, compile_again: Callable[[], Callable],
                  optimized: list[tuple[torch.fx.GraphModule, dict]], graph_modules: list[torch.fx.GraphModule],
-                 report: Report):
+                 report: Report, held: list[list] | None = None):
         self.compiled, self.compile_again = compiled, compile_again
+        # The lists of inputs compile_again reads: a reassigned weight is put in them (frozen_watch.py).
+        self.held = held or []
         self.optimized, self.graph_modules, self.report = optimized, graph_modules, report
         self._boxed_call = getattr(compiled, "_boxed_call", False)  # Dynamo's calling convention
 

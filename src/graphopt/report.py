@@ -198,6 +198,8 @@ class Report:
     traces_stored: int = 0    # Dynamo traces of the step stored for later processes (traces.py)
     traces_used: int = 0      # stored traces this process ran instead of tracing the step
     repacks: int = 0          # level-2 graphs refresh() compiled again for Inductor's copies of the weights
+    # With freeze_parameters: refreshes run before a call because a frozen weight changed, by what changed.
+    weight_refreshes: Counter = field(default_factory=Counter)
     memory: list[MemoryRecord] = field(default_factory=list)
     # The `executors` choice per graph: {"graph", "executor" (graphopt or the engine that runs it),
     # "reason" (why it did not qualify, or what was timed), "seconds" (median per call, each timed)}.
@@ -224,6 +226,13 @@ class Report:
     def reasons(self, kind: FallbackKind) -> list[str]:
         """The reasons of the fallbacks of `kind`, in the order they first came."""
         return [reason for reason, of in self.fallback_kinds.items() if of is kind]
+
+    def weight_refresh(self, reason: str) -> None:
+        """Count an automatic refresh (frozen_watch.py); the first of each reason is logged."""
+        with self._lock:
+            if reason not in self.weight_refreshes:
+                log.info("graphopt: frozen weights changed (%s); refreshing before the call", reason)
+            self.weight_refreshes[reason] += 1
 
     def piece(self, graph: int, split_reason: str | None) -> PieceRecord:
         """A new piece of runtime graph `graph` (graphs are numbered as they come)."""
@@ -276,6 +285,7 @@ class Report:
             "cache": {"hits": self.cache_hits, "misses": self.cache_misses, "rebuilt": self.cache_rebuilt,
                       "traces_stored": self.traces_stored, "traces_used": self.traces_used},
             "repacks": self.repacks,
+            "weight_refreshes": dict(self.weight_refreshes),
             "memory": [m.to_dict() for m in self.memory],
             "executors": [dict(e) for e in self.executors],
             "level_choices": [dict(c) for c in self.level_choices],
@@ -311,6 +321,8 @@ class Report:
                          + f", {self.traces_used} stored traces used, {self.traces_stored} stored")
         if self.repacks:
             lines.append(f"  refresh(): {self.repacks} graph(s) compiled again for Inductor's packed weights")
+        lines.extend(f"  frozen weights changed, refreshed {n} time(s): {why}"
+                     for why, n in self.weight_refreshes.items())
         lines.extend(_choice_line(c) for c in self.level_choices)
         for e in self.executors:
             timed = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in e["seconds"].items())

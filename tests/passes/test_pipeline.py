@@ -124,7 +124,7 @@ def test_level_2_takes_inductor_options_and_refresh_repacks_packed_weights(monke
         torch.testing.assert_close(opt(x), model(x))
         assert seen and all(o.items() >= options.items() and o["cpp_wrapper"] for o in seen)
         compiled, graphs = len(seen), opt.graphs()
-        model.weight.mul_(-2)
+        model.weight.data.mul_(-2)  # through .data: not noticed, so the call does not refresh by itself
         assert sum(refresh_folded_constants(gm) for gm in graphs) == len(graphs)  # graphopt's own copy only
         assert not torch.allclose(opt(x), model(x))  # Inductor's packed copy: why refresh() compiles again
         opt.refresh()

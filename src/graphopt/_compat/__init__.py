@@ -257,6 +257,11 @@ def input_kinds(gm: torch.fx.GraphModule) -> list[str]:
     return kinds
 
 
+def input_sources(gm: torch.fx.GraphModule) -> list[str]:
+    """For each placeholder of a Dynamo graph: where Dynamo took its value from, or ""."""
+    return [_source_name(node) for node in gm.graph.find_nodes(op="placeholder")]
+
+
 def _source_name(placeholder: torch.fx.Node) -> str:
     """Where Dynamo took a placeholder's value from (`L['self']._modules[...]`), or "".
     The node's `grapharg` has it; a graph from Dynamo's full-graph capture (stored

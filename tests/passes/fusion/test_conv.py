@@ -62,10 +62,9 @@ def test_refresh_recomputes_folded_and_packed_weights(level, inductor):
     step = optimized(model, level, inductor_compile_config=inductor)
     with torch.inference_mode():
         step(images)
-        with torch.no_grad():
-            for m in model.modules():
-                if isinstance(m, (nn.Conv2d, nn.BatchNorm2d)):
-                    m.weight.mul_(1.5)
+        for m in model.modules():
+            if isinstance(m, (nn.Conv2d, nn.BatchNorm2d)):
+                m.weight.data.mul_(1.5)  # through .data: not noticed, so stale until refresh()
         stale = step(images)
         # Level 2: Inductor takes the packed weights as constants; refresh() must reach them.
         assert sum(conv_counts(step).values()) > 0

@@ -51,8 +51,7 @@ def test_refresh_repacks_the_weights():
     x = torch.randn(8, 64, 64)
     with torch.inference_mode():
         step(x)
-        with torch.no_grad():
-            model.up.weight.mul_(1.5)
+        model.up.weight.data.mul_(1.5)  # through .data: not noticed, so stale until refresh()
         stale = step(x)
         assert step.refresh() > 0
         fresh = model(x)
