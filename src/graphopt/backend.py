@@ -143,7 +143,6 @@ class Backend:
         runtime, spec = self._compile_runtime(gm, example_inputs)
         if self.config.executors and self._level(device_type(example_inputs)):  # an engine may run it instead
             runtime = executors.choose(gm, example_inputs, runtime, self.config, self._report, self.repackables)
-        # With frozen weights, a changed weight refreshes before the call.
         return frozen_watch.watched(runtime, gm, example_inputs, self, self._level(device_type(example_inputs))), spec
 
     def _compile_runtime(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Callable, Any]:
