@@ -100,7 +100,8 @@ def main() -> int:
         rows += batch
     figures = {
         "level": args.level, "config": args.config, "sizes": len(sizes), "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "warmups": options.cudagraph_num_of_warmups, "compile_s": round(compiled - start, 2),
+        "torch": torch.__version__, "warmups": options.cudagraph_num_of_warmups,
+        "compile_s": round(compiled - start, 2),
         "capture_all_s": round(captured - compiled, 2), "captures": len(report.captures),
         "pool_mib": round(report.pool_bytes / 2**20, 1),
         "largest_graph_mib": round(max((c.nbytes for c in report.captures), default=0) / 2**20, 1),

@@ -108,7 +108,8 @@ def main() -> int:
     results = []
     for (name, n, k), m in itertools.product(SHAPES, [int(r) for r in args.rows.split(",")]):
         nbytes = n * k * 2
-        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(2, math.ceil(3 * l2 / nbytes)))]
+        copies = max(2, math.ceil(3 * l2 / nbytes))
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         expected = x.float() @ weights[0].float().t()
         cublas = streamed_us(lambda a, w: torch.mm(a, w.t()), x, weights)

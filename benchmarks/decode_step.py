@@ -16,10 +16,10 @@ import statistics
 import torch
 from rich.console import Console
 from rich.table import Table
+from timing import interleaved_times
 
 import graphopt
 from graphopt.models import Decoder, DecoderConfig
-from timing import interleaved_times
 
 
 def step_inputs(config: DecoderConfig, batch: int, device: str) -> tuple[torch.Tensor, ...]:

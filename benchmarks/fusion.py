@@ -21,11 +21,11 @@ from typing import Any, Callable
 import torch
 from rich.console import Console
 from rich.table import Table
+from timing import interleaved_times
 
 import graphopt
 from graphopt.models import Decoder, DecoderConfig
 from graphopt.passes.fusion import fusion_passes
-from timing import interleaved_times
 
 FUSIONS = [name for name in fusion_passes() if name != "user_replacements"]
 
@@ -55,7 +55,8 @@ def _decoder(config: DecoderConfig, device: str) -> Callable[[], tuple[torch.nn.
     def build() -> tuple[torch.nn.Module, dict]:
         batch = 4
         ids = torch.randint(0, config.vocab_size, (batch,), generator=torch.Generator().manual_seed(0))
-        return Decoder(config).to(device), {"input_ids": ids.to(device), "positions": torch.full((batch,), 3, device=device),
+        positions = torch.full((batch,), 3, device=device)
+        return Decoder(config).to(device), {"input_ids": ids.to(device), "positions": positions,
                                             "slots": torch.arange(batch, device=device)}
     return build
 

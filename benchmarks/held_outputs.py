@@ -20,10 +20,10 @@ from typing import Any, Callable
 import torch
 from rich.console import Console
 from rich.table import Table
+from timing import interleaved_times
 
 import graphopt
 from graphopt.models import Decoder, DecoderConfig
-from timing import interleaved_times
 
 
 class LetGo:

@@ -27,9 +27,9 @@ import torch
 import transformers
 from rich.console import Console
 from rich.table import Table
+from timing import interleaved_times
 
 import graphopt
-from timing import interleaved_times
 
 EAGER, COMPILE = "eager", "torch.compile"
 

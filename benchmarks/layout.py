@@ -22,11 +22,11 @@ import statistics
 import torch
 from rich.console import Console
 from rich.table import Table
+from timing import interleaved_times
 
 import graphopt
 from graphopt.bench.vision import ResNet18
 from graphopt.models import ResNet, ResNetConfig
-from timing import interleaved_times
 
 
 def main() -> None:

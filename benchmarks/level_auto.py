@@ -21,8 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import graphopt  # noqa: E402
 from timing import interleaved_times  # noqa: E402
+
+import graphopt  # noqa: E402
 
 MODELS = ("bert", "gpt2", "mlp", "resnet")
 
@@ -80,8 +81,8 @@ def run_one(name: str, batches: list[int], rounds: int) -> None:
     times = interleaved_times(variants, batches, inputs, rounds, steps=5)
     for batch in batches:
         compiled = statistics.median(times["torch.compile", batch])
-        row = [f"{statistics.median(times[label, batch]):.0f} ({compiled / statistics.median(times[label, batch]):.2f}x)"
-               for label in variants]
+        medians = {label: statistics.median(times[label, batch]) for label in variants}
+        row = [f"{medians[label]:.0f} ({compiled / medians[label]:.2f}x)" for label in variants]
         print(f"| {name} | {batch} | " + " | ".join(row) + " |", flush=True)
     chosen = [(c["graph"], c.get("level"), c.get("reason")) for c in variants["auto"].report().level_choices]
     print(f"<!-- {name}: first call s {({k: round(v, 1) for k, v in first.items()})}; auto chose {chosen} -->")

@@ -11,7 +11,7 @@ timed inputs. bfloat16 only pays on a CPU with AVX512-BF16 or AMX (printed first
     python benchmarks/precision.py --threads 1
     python benchmarks/precision.py --models bert --levels 1 --rounds 5
     python benchmarks/precision.py --threads 1 --models decoder --variants "level 1 frozen + host graphs" \
-        --precisions float32,bfloat16,int8\ weights
+        --precisions float32,bfloat16,int8\\ weights
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import subprocess
 import torch
 from rich.console import Console
 from rich.table import Table
+from timing import interleaved_times
 
 import graphopt
 from graphopt._compat import mkldnn
 from graphopt.bench.vision import ResNet18
 from graphopt.bench.workloads import BertEncoder
-from timing import interleaved_times
 
 
 def bert(batch_sizes: list[int]):
@@ -78,7 +78,8 @@ def cpu_flags() -> str:
     flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     found = [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags.split()]
     model = next((line.split(":", 1)[1].strip() for line in flags.splitlines() if line.startswith("Model name")), "?")
-    return f"{model}; bfloat16 flags: {', '.join(found) or 'none'}; native bf16 (graphopt): {mkldnn.cpu_has_native_bf16()}"
+    native = mkldnn.cpu_has_native_bf16()
+    return f"{model}; bfloat16 flags: {', '.join(found) or 'none'}; native bf16 (graphopt): {native}"
 
 
 def optimized(model, args) -> dict[str, torch.nn.Module]:

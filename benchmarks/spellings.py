@@ -26,10 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the spellings are test models
 
-import graphopt  # noqa: E402
 from decoder_spellings import SPELLINGS, decode_inputs  # noqa: E402
-from graphopt.passes.canonical import canonical_passes  # noqa: E402
 from timing import interleaved_times  # noqa: E402
+
+import graphopt  # noqa: E402
+from graphopt.passes.canonical import canonical_passes  # noqa: E402
 
 # Big enough that the GEMMs, not Python, set the floor: head dim 64, 4 layers.
 HIDDEN, LAYERS, POSITION = 256, 4, 20
@@ -70,8 +71,8 @@ def run_one(name: str, batches: list[int], rounds: int, steps: int) -> None:
     times = interleaved_times(variants, batches, lambda b: decode_inputs(b, POSITION), rounds, steps)
     for batch in batches:
         compiled = statistics.median(times["torch.compile", batch])
-        row = [f"{statistics.median(times[label, batch]):8.0f} ({compiled / statistics.median(times[label, batch]):.2f}x)"
-               for label in variants]
+        medians = {label: statistics.median(times[label, batch]) for label in variants}
+        row = [f"{medians[label]:8.0f} ({compiled / medians[label]:.2f}x)" for label in variants]
         print(f"| {name} | {batch} | " + " | ".join(row) + " |", flush=True)
     fused = {label: [g.fused_ops.get("decode_attention", 0) for g in step.report().graphs]
              for label, step in variants.items() if hasattr(step, "report")}

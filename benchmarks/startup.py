@@ -43,8 +43,9 @@ def child(model_name: str, variant: str) -> None:
         compile_fn = lambda fn: torch.compile(fn)  # noqa: E731
     else:
         level = int(variant.split()[2])
-        options = graphopt.GraphOptimizationConfig(graph_opt_level=level, use_cudagraph=variant.endswith("graphs"),
-                                                   max_num_seqs=MAX_NUM_SEQS, freeze_parameters=variant.endswith("frozen"))
+        options = graphopt.GraphOptimizationConfig(
+            graph_opt_level=level, use_cudagraph=variant.endswith("graphs"), max_num_seqs=MAX_NUM_SEQS,
+            freeze_parameters=variant.endswith("frozen"))
         compile_fn = lambda fn: graphopt.optimize(fn, options)  # noqa: E731
     if model_name == "decoder":
         model = graphopt.models.Decoder(graphopt.models.DecoderConfig.tiny(max_num_seqs=MAX_NUM_SEQS)).eval()

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
+from timing import interleaved_times
 
 import graphopt
 from graphopt.models import Decoder, DecoderConfig, ParallelDecoder
-from timing import interleaved_times
 
 
 def step_inputs(config: DecoderConfig, batch: int, device: str) -> tuple[torch.Tensor, ...]:

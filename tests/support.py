@@ -96,7 +96,6 @@ def assert_close_tree(actual, expected, where: str) -> None:
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"
 
 
-
 def assert_gradients_match(step, model: torch.nn.Module, x: torch.Tensor) -> None:
     """The gradients of `step(x).square().sum()` on `model`'s parameters equal eager's."""
     model.zero_grad()

@@ -2,11 +2,11 @@ from typing import Annotated
 
 import pytest
 import torch
+from support import decode_inputs
 
 import graphopt
 from graphopt.config import tolerance
 from graphopt.models import Decoder, DecoderConfig, generate
-from support import decode_inputs
 
 aten = torch.ops.aten
 ATOL, RTOL = tolerance(torch.float32)
@@ -151,7 +151,8 @@ def test_dynamic_dims_from_annotations():
 
 
 def test_dynamic_dims_errors(decoder):
-    with pytest.raises(ValueError, match=r"dynamic_dims names \['ids'\].*its arguments are \['input_ids', 'positions', 'slots'\]"):
+    names = r"dynamic_dims names \['ids'\].*its arguments are \['input_ids', 'positions', 'slots'\]"
+    with pytest.raises(ValueError, match=names):
         graphopt.optimize(decoder, config(), dynamic_dims={"ids": 0})
     with pytest.raises(TypeError, match=r"dynamic_dims\['input_ids'\] must be an int, DynamicDims\(k\) or None"):
         graphopt.optimize(decoder, config(), dynamic_dims={"input_ids": "0"})

@@ -6,12 +6,12 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 import torch._dynamo
+from support import decode_inputs
 
 import graphopt
 from graphopt import FallbackKind
 from graphopt.config import tolerance
 from graphopt.models import Decoder, DecoderConfig
-from support import decode_inputs
 
 ATOL, RTOL = tolerance(torch.float32)
 

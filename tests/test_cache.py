@@ -19,6 +19,8 @@ import pytest
 import torch
 import torch._dynamo
 import torch.fx
+from support import assert_gradients_match
+from support import cache_entries as entries
 
 import graphopt
 from graphopt import FallbackKind, cache
@@ -26,8 +28,6 @@ from graphopt.backend import Backend
 from graphopt.config import GraphOptimizationConfig
 from graphopt.models import generate
 from graphopt.report import Report
-from support import assert_gradients_match
-from support import cache_entries as entries
 
 PROMPTS = torch.randint(500, (3, 6), generator=torch.Generator().manual_seed(0))
 
@@ -52,7 +52,8 @@ def test_second_start_loads_the_graph_and_its_report(decoder, tmp_path):
     assert second.graphs[0].cache_hit and not first.graphs[0].cache_hit
     same = ("nodes_before", "nodes_after", "fused_ops")
     assert [getattr(second.graphs[0], f) for f in same] == [getattr(first.graphs[0], f) for f in same]
-    assert [(p.name, p.changed, p.counts) for p in second.passes] == [(p.name, p.changed, p.counts) for p in first.passes]
+    passes = [(p.name, p.changed, p.counts) for p in first.passes]
+    assert [(p.name, p.changed, p.counts) for p in second.passes] == passes
     assert [m.planned_bytes for m in second.memory] == [m.planned_bytes for m in first.memory]
     assert "loaded from the compile cache" in str(second) and "1 hits" in str(second)
 

@@ -17,12 +17,12 @@ import textwrap
 import pytest
 import torch
 import torch._dynamo
+from support import cache_entries as entries
 
 import graphopt
 from graphopt import FallbackKind, cache, cache_transfer, cli
 from graphopt.config import tolerance
 from graphopt.models import generate
-from support import cache_entries as entries
 
 PROMPTS = torch.randint(500, (3, 6), generator=torch.Generator().manual_seed(0))
 

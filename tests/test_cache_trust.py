@@ -10,11 +10,11 @@ import pickle
 
 import pytest
 import torch
+from support import cache_entries
+from test_cache import PROMPTS, run
 
 from graphopt import FallbackKind, cache_trust
 from graphopt.models import generate
-from support import cache_entries
-from test_cache import PROMPTS, run
 
 POSIX_OWNERS = pytest.mark.skipif(not hasattr(os, "getuid"), reason="needs POSIX owners and modes")
 

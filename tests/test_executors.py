@@ -7,12 +7,12 @@ import copy
 
 import pytest
 import torch
+from support import assert_close_tree, decode_inputs, unexpected_fallbacks
 from torch import nn
 
 import graphopt
 from graphopt import FallbackKind, executors
 from graphopt.models import Decoder, DecoderConfig, ResNet, ResNetConfig
-from support import assert_close_tree, decode_inputs, unexpected_fallbacks
 
 
 def optimized(model, level=1, engines=("onnxruntime",), **config):

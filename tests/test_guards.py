@@ -3,11 +3,11 @@ arguments and torch's global state, trusting the module's Python state."""
 
 import pytest
 import torch
+from support import Switch
 
 import graphopt
 from graphopt import FallbackKind
 from graphopt.guards import keep_input_guards
-from support import Switch
 
 
 def optimized(guards, **kw):

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_hf_generate import BUILDERS, NEW_TOKENS, CounterProbe, assert_replays_from, generate, prompt, twins
 
 import graphopt
-from test_hf_generate import BUILDERS, NEW_TOKENS, CounterProbe, assert_replays_from, generate, prompt, twins
 
 transformers = pytest.importorskip("transformers")
 

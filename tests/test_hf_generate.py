@@ -18,10 +18,10 @@ from typing import Any, Callable, NamedTuple
 
 import pytest
 import torch
+from support import unexpected_fallbacks
 
 import graphopt
 from graphopt import FallbackKind, _compat
-from support import unexpected_fallbacks
 
 transformers = pytest.importorskip("transformers")
 

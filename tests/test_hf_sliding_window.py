@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-
-import graphopt
 from support import unexpected_fallbacks
 from test_hf_generate import CounterProbe, config_for, prompt
+
+import graphopt
 
 transformers = pytest.importorskip("transformers")
 

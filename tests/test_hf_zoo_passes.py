@@ -16,12 +16,12 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from support import unexpected_fallbacks
 
 import graphopt
 from graphopt import _compat
 from graphopt.config import tolerance
 from graphopt.passes import manager
-from support import unexpected_fallbacks
 
 transformers = pytest.importorskip("transformers")
 

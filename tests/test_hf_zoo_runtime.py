@@ -16,9 +16,9 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from support import assert_close_tree, unexpected_fallbacks
 
 import graphopt
-from support import assert_close_tree, unexpected_fallbacks
 
 transformers = pytest.importorskip("transformers")
 

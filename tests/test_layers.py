@@ -26,13 +26,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "graphopt"
 
 BASE = "base"
 LAYERS = {  # the first part of a module's dotted name below graphopt -> its layer
-    "config": BASE, "config_checks": BASE, "report": BASE, "cache": BASE, "cache_trust": BASE, "cache_transfer": BASE, "arena": BASE, "bindings": BASE, "kernels": BASE,
-    "models": BASE, "_compat": BASE,
+    "config": BASE, "config_checks": BASE, "report": BASE, "cache": BASE, "cache_trust": BASE, "cache_transfer": BASE,
+    "arena": BASE, "bindings": BASE, "kernels": BASE, "models": BASE, "_compat": BASE,
     "passes": "passes", "runtime": "runtime",
-    "backend": "backend", "backend_cache": "backend", "registry": "backend", "repack": "backend", "recompiles": "backend",
-    "frozen_watch": "backend",
-    "executors": "backend", "backend_runtime": "backend", "tiers": "backend", "candidates": "backend", "inductor_options": "backend",
-    "lowering": "backend",
+    "backend": "backend", "backend_cache": "backend", "registry": "backend", "repack": "backend",
+    "recompiles": "backend", "frozen_watch": "backend", "executors": "backend", "backend_runtime": "backend",
+    "tiers": "backend", "candidates": "backend", "inductor_options": "backend", "lowering": "backend",
     "api": "api", "traces": "api", "guards": "api",
     "bench": "tools", "cli": "tools", "cli_args": "tools", "__main__": "tools", "__init__": "tools",
 }

@@ -1,10 +1,9 @@
 import pytest
 import torch
+from support import aot_graph
 
 import graphopt
-
 from graphopt.lowering import lower_to_bindings
-from support import aot_graph
 
 aten = torch.ops.aten
 

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import graphopt
-from graphopt.config import tolerance
-from graphopt.config import with_mode
+from graphopt.config import tolerance, with_mode
 
 ATOL, RTOL = tolerance(torch.float32)
 

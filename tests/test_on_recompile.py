@@ -4,9 +4,9 @@ import warnings
 
 import pytest
 import torch
+from support import Switch
 
 import graphopt
-from support import Switch
 
 
 def run(policy, **kw):

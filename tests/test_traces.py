@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo
+from support import cache_entries as entries
 
 import graphopt
 from graphopt import FallbackKind, traces
@@ -24,7 +25,6 @@ from graphopt._compat import guard_sources
 from graphopt.backend import Backend
 from graphopt.models import decoder as decoder_module
 from graphopt.models import generate
-from support import cache_entries as entries
 
 PROMPTS = torch.randint(500, (3, 6), generator=torch.Generator().manual_seed(0))
 

@@ -12,11 +12,11 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from support import assert_close_tree, unexpected_fallbacks
 
 import graphopt
 from graphopt import _compat
 from graphopt.config import tolerance
-from support import assert_close_tree, unexpected_fallbacks
 
 transformers = pytest.importorskip("transformers")
 

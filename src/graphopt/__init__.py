@@ -8,8 +8,8 @@ from ._compat import register_dynamo_backend
 from .api import DynamicDims, OptimizedFunction, OptimizedModule, optimize, support_graph_optimization
 from .backend import Backend
 from .config import MODES, GraphOptimizationConfig
-from .passes.fusion.replacement import fwd_only, register_replacement
 from .passes.base import PassResult
+from .passes.fusion.replacement import fwd_only, register_replacement
 from .passes.manager import PassVerificationError
 from .recompiles import RecompileError
 from .registry import backends, graphopt_backend

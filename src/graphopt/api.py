@@ -314,7 +314,6 @@ def _refuse_ignored_assignment(module: torch.nn.Module, name: str, submodule: An
                         f"Optimize the method instead: m.{name} = graphopt.optimize(m.{name}, config)")
 
 
-
 @functools.cache
 def _watch_module_assignments() -> None:
     """From the first OptimizedModule on (not at import), every module assignment in the

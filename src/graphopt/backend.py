@@ -25,10 +25,9 @@ import torch
 import torch.fx
 
 from . import _compat, cache, executors, frozen_watch, recompiles, tiers
-from ._compat import autotune
+from ._compat import autotune, trace_graph
 from ._compat import cache as compat_cache
 from ._compat import recompile as compat_recompile
-from ._compat import trace_graph
 from ._compat.names import RECOMPILE_LIMIT
 from .backend_cache import BackendCache, GraphSpec, NotStorable, device_type
 from .config import AUTO_LEVEL, GraphOptimizationConfig, with_mode

@@ -23,8 +23,8 @@ from rich.console import Console
 from rich.table import Table
 
 from . import bench, cache_transfer, cache_trust
-from .bench import zoo
 from .api import optimize
+from .bench import zoo
 from .cli_args import int_in, int_list, names
 from .config import GRAPH_OPT_LEVELS, GraphOptimizationConfig, default_cache_dir
 from .models import Decoder, DecoderConfig, generate

@@ -22,9 +22,21 @@ from typing import Any, Final
 
 import torch
 
-from .config_checks import (aten_op_names, capture_sizes, check_bool, check_budget, check_choice,
-                            check_dump_dir, check_int, check_tolerance, describe, executors,
-                            inductor_compile_config, op_names, pass_names)
+from .config_checks import (
+    aten_op_names,
+    capture_sizes,
+    check_bool,
+    check_budget,
+    check_choice,
+    check_dump_dir,
+    check_int,
+    check_tolerance,
+    describe,
+    executors,
+    inductor_compile_config,
+    op_names,
+    pass_names,
+)
 
 # Tolerances for comparing an optimized graph's outputs with eager's, by dtype: (atol, rtol).
 TOLERANCES: Final[dict[torch.dtype, tuple[float, float]]] = {

@@ -10,6 +10,7 @@ import torch
 
 from ._compat.names import INDUCTOR_OPTIONS
 
+
 def describe(value: object) -> str:
     return f"{value!r} ({type(value).__name__})"
 

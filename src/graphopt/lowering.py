@@ -33,6 +33,7 @@ _EQUIVALENT = {
     torch.ops.aten.matmul.default: names.FUNCTIONS.matmul,
 }
 
+
 def lower_to_bindings(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of `gm` whose ATen nodes call torch's Python bindings where that is
     provably the same operator; `gm` itself stays an ATen graph."""

@@ -51,7 +51,6 @@ class PassRecord:
                 "counts": dict(self.counts), "seconds": round(self.seconds, 6)}
 
 
-
 def first_line(error: BaseException) -> str:
     """The first line of an error's message ("" when it has none): a reason fits on one
     report line, and many errors (a compiler's, a lint's) go on for pages."""

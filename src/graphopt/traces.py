@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
 from . import cache
-from ._compat import guard_sources
+from ._compat import guard_sources, trace_graph
 from ._compat import recompile as compat_recompile
-from ._compat import trace_graph
 from ._compat import traces as dynamo_traces
 from .backend import Backend, records_autograd
 from .report import FallbackKind

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch._dynamo
 from harness import run_ranks
 
 import graphopt

@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-import torch._dynamo
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from harness import RanksFailed, run_ranks

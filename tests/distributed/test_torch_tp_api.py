@@ -16,6 +16,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import graphopt
 
 VARIANTS = [(level, graphs) for level in (0, 1, 2) for graphs in (False, True)]
+
+
 class Block(torch.nn.Module):
     """Pre-norm residual MLP: the shape of a decoder layer's second half."""
 
@@ -57,7 +59,8 @@ def every_variant(rank: int, world: int) -> dict:
             report = opt.report() if level or graphs else None
             found[(level, graphs)] = {
                 "difference": max((o - e).abs().max().item() for o, e in zip(outs, expected)),
-                "replays": report.replays if report else 0, "kinds": sorted(kind.value for kind in report.fallback_counts) if report else []}
+                "replays": report.replays if report else 0,
+                "kinds": sorted(kind.value for kind in report.fallback_counts) if report else []}
     return found
 
 

@@ -4,11 +4,11 @@ import math
 
 import pytest
 import torch
+from support import aot_graph, targets
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphopt.passes.algebraic import simplify_algebra
 from graphopt.passes.constant_fold import fold_constants
-from support import aot_graph, targets
 
 aten = torch.ops.aten
 

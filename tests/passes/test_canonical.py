@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from support import AtenGraph, aot_graph, targets
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graphopt._compat import patterns
@@ -15,7 +16,6 @@ from graphopt.passes.canonical.norm import canonicalize_norms
 from graphopt.passes.cleanup import cse
 from graphopt.passes.fusion.attention import fuse_attention
 from graphopt.passes.fusion.norm import fuse_norms
-from support import AtenGraph, aot_graph, targets
 
 aten, ops = torch.ops.aten, torch.ops.graphopt
 SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default

@@ -1,8 +1,8 @@
 import torch
+from support import aot_graph, targets
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphopt.passes.cleanup import cse, dce
-from support import aot_graph, targets
 
 aten = torch.ops.aten
 

@@ -3,13 +3,18 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from support import targets
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import graphopt
 from graphopt import _compat
-from graphopt.passes.constant_fold import (FOLDED_RECIPES, FROZEN_INPUTS, fold_constants, fold_node,
-                                           refresh_folded_constants)
-from support import targets
+from graphopt.passes.constant_fold import (
+    FOLDED_RECIPES,
+    FROZEN_INPUTS,
+    fold_constants,
+    fold_node,
+    refresh_folded_constants,
+)
 
 aten = torch.ops.aten
 

@@ -5,12 +5,12 @@ every RMSNorm, rotary embedding and SwiGLU gate."""
 
 import pytest
 import torch
+from decoder_spellings import LAYERS, SPELLINGS, decode_inputs, prefill_inputs
+from support import unexpected_fallbacks
 
 import graphopt
 from graphopt import _compat
 from graphopt.config import tolerance
-from decoder_spellings import LAYERS, SPELLINGS, decode_inputs, prefill_inputs
-from support import unexpected_fallbacks
 
 LEVEL_2 = pytest.mark.skipif(not _compat.inductor_available(), reason="level 2 needs a C++ compiler")
 # A prefill, decode steps whose rows sit at different positions, then a batch of

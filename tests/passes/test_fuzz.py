@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_memory_plan import check_plan
 
 import graphopt
 from graphopt.config import tolerance
-from test_memory_plan import check_plan
 
 BATCHES = (3, 5)
 WIDTHS = (2, 4, 6, 8)
@@ -239,7 +239,8 @@ class ProgramModule(torch.nn.Module):
             weight = "None"
             if op.weight is not None:
                 shape = op.weight(widths, k)
-                setattr(self, f"w{index}", torch.nn.Parameter(torch.randn(shape, generator=generator) / shape[-1] ** 0.5))
+                weight = torch.randn(shape, generator=generator) / shape[-1] ** 0.5
+                setattr(self, f"w{index}", torch.nn.Parameter(weight))
                 weight = f"self.w{index}"
             count = len(op.outputs(widths, k))
             outputs = "".join(f"v{results + i}, " for i in range(count))

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from support import aot_graph, targets, unexpected_fallbacks
 from torch import nn
 
 import graphopt
@@ -11,7 +12,6 @@ from graphopt.models import ResNet, ResNetConfig
 from graphopt.passes import layout
 from graphopt.passes.constant_fold import refresh_folded_constants
 from graphopt.passes.layout import channels_last_faster, convert_layout
-from support import aot_graph, targets, unexpected_fallbacks
 
 aten = torch.ops.aten
 NHWC = torch.channels_last

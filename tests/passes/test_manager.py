@@ -2,13 +2,13 @@ import re
 
 import pytest
 import torch
+from support import decode_inputs
 
 import graphopt
 from graphopt import FallbackKind
 from graphopt.config import tolerance
 from graphopt.passes import manager
 from graphopt.passes.base import PassResult
-from support import decode_inputs
 
 aten = torch.ops.aten
 

@@ -7,17 +7,17 @@ import torch
 import torch.fx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import aot_graph, decode_inputs
 
 import graphopt
 from graphopt import _compat
+from graphopt.arena import ALIGN, aligned, live_bytes, plan_offsets
 from graphopt.config import GraphOptimizationConfig
 from graphopt.passes.manager import PassManager
-from graphopt.arena import ALIGN, aligned, live_bytes, plan_offsets
 from graphopt.passes.memory_plan import GraphPlan, plan_graph
 from graphopt.passes.reinplace import reinplace_intermediates
 from graphopt.report import Report
 from graphopt.runtime.host_graph import HostGraph
-from support import aot_graph, decode_inputs
 
 aten = torch.ops.aten
 
@@ -173,7 +173,8 @@ def test_plans_of_random_programs_are_sound(program):
     torch._dynamo.reset()
     model = ProgramModule(program).eval()
     generator = torch.Generator().manual_seed(0)
-    x, y = torch.randn(3, program.widths[0], generator=generator), torch.randn(3, program.widths[1], generator=generator)
+    x = torch.randn(3, program.widths[0], generator=generator)
+    y = torch.randn(3, program.widths[1], generator=generator)
     report = Report(1)
     config = GraphOptimizationConfig(graph_opt_level=1, verify=True, freeze_parameters=program.freeze)
     graphs = []

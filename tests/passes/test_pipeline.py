@@ -2,15 +2,15 @@
 
 import pytest
 import torch
+from support import targets
 
 import graphopt
 from graphopt import _compat
 from graphopt.passes import manager
 from graphopt.passes.base import PassResult
 from graphopt.passes.canonical import canonical_passes
-from graphopt.passes.fusion import fusion_passes
 from graphopt.passes.constant_fold import refresh_folded_constants
-from support import targets
+from graphopt.passes.fusion import fusion_passes
 
 aten = torch.ops.aten
 

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from support import aot_graph, targets
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import graphopt
 from graphopt.passes.redundant import remove_noops, remove_redundant
-from support import aot_graph, targets
 
 aten = torch.ops.aten
 

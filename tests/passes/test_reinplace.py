@@ -1,12 +1,12 @@
 import pytest
 import torch
+from support import aot_graph, targets
 
 import graphopt
 from graphopt.config import tolerance
 from graphopt.lowering import lower_to_bindings
 from graphopt.passes.constant_fold import fold_constants
 from graphopt.passes.reinplace import inplace_variant, reinplace_input_mutations, reinplace_intermediates
-from support import aot_graph, targets
 
 aten = torch.ops.aten
 

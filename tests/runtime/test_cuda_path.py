@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import decode_inputs
 
 import graphopt
 from graphopt import FallbackKind
 from graphopt.config import tolerance
 from graphopt.models import Decoder, DecoderConfig, generate
-from support import decode_inputs
 
 ops = torch.ops.graphopt
 

@@ -6,11 +6,11 @@ import gc
 
 import pytest
 import torch
+from test_runner import DEVICES, optimized, step_inputs, twin_decoders, warm_and_capture
 
 import graphopt
 from graphopt.config import tolerance
 from graphopt.models import DecoderConfig
-from test_runner import DEVICES, optimized, step_inputs, twin_decoders, warm_and_capture
 
 ATOL, RTOL = tolerance(torch.float32)
 

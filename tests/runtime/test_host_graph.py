@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from support import decode_inputs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphopt
@@ -16,7 +17,6 @@ from graphopt.config import tolerance
 from graphopt.runtime import native_tape
 from graphopt.runtime.host_graph import HostGraph, HostPool
 from graphopt.runtime.safety import CaptureError
-from support import decode_inputs
 
 
 @pytest.fixture(autouse=True, params=["native", "python"])

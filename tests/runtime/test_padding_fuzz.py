@@ -42,9 +42,9 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
+from support import assert_close_tree, unexpected_fallbacks
 
 import graphopt
-from support import assert_close_tree, unexpected_fallbacks
 
 # Padded to 4 or 8 but for 8, 1 and 2; with two warm-ups per size, 4, 8 and 1 (a
 # graph of its own: Dynamo specialises it) are captured.

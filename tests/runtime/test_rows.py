@@ -15,11 +15,11 @@ from typing import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from support import unexpected_fallbacks
 
 import graphopt
 from graphopt import FallbackKind
 from graphopt.config import tolerance
-from support import unexpected_fallbacks
 
 STREAM = (3, 5, 7, 6, 3, 5, 7, 6, 8, 2)
 CONFIG = graphopt.GraphOptimizationConfig(graph_opt_level=1, max_num_seqs=8, cudagraph_num_of_warmups=1)

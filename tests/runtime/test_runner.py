@@ -5,12 +5,12 @@ import warnings
 
 import pytest
 import torch
+from support import decode_inputs
 
 import graphopt
 from graphopt import FallbackKind
 from graphopt.config import tolerance
 from graphopt.models import Decoder, DecoderConfig, generate
-from support import decode_inputs
 
 ATOL, RTOL = tolerance(torch.float32)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -215,7 +215,6 @@ def test_four_threads_get_their_own_results(device):
             torch.testing.assert_close(results[batch], eager(*expected[batch]), atol=ATOL, rtol=RTOL)
 
 
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_graph_a_worker_thread_compiles_still_clones_its_outputs(device):
     """The step was captured in the main thread; a worker's inputs are not inference
@@ -242,6 +241,7 @@ def test_a_graph_a_worker_thread_compiles_still_clones_its_outputs(device):
     with torch.inference_mode():
         for batch in (3, 4):
             torch.testing.assert_close(results[batch], eager(*inputs[batch]), atol=ATOL, rtol=RTOL)
+
 
 def write_state(x, state):
     state.add_(x.sum(0))

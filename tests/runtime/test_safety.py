@@ -8,12 +8,12 @@ import sys
 
 import pytest
 import torch
+from support import assert_gradients_match, unexpected_fallbacks
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graphopt import FallbackKind
 from graphopt.runtime.host_graph import HostGraph
 from graphopt.runtime.safety import CaptureError, CaptureGuard, CaptureProblem, check
-from support import assert_gradients_match, unexpected_fallbacks
 
 HERE = os.path.basename(__file__)
 

@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+
 @contextlib.contextmanager
 def real_tensors() -> Iterator[None]:
     """No fake mode and no tracing context: unpickling a tensor goes through

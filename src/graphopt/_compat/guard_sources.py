@@ -18,7 +18,6 @@ import importlib
 import operator
 from typing import Any, Callable
 
-
 LOCALS, GLOBALS, ALIASES = range(3)   # the roots of a guard source, as `roots` orders them
 
 

@@ -10,6 +10,7 @@ import torch.fx
 
 from . import _accepts, outside_fake_mode
 
+
 def pattern_matcher_pass(name: str) -> Any:
     from torch._inductor.pattern_matcher import PatternMatcherPass
 

@@ -11,7 +11,6 @@ import re
 import weakref
 from typing import Any, Callable
 
-import torch
 import torch._dynamo
 
 from . import guard_sources
@@ -105,9 +104,9 @@ _recompile_limit_listeners: list[weakref.WeakMethod] = []
 
 
 def on_recompile_limit(listener: Callable[[str], None]) -> None:
-    """Call the bound method `listener(message)`, while its object lives, whenever Dynamo gives up on a function because it
-    hit its recompile limit (it then runs that frame eagerly, saying so only in a
-    log line: this watches that log line)."""
+    """Call the bound method `listener(message)`, while its object lives, whenever Dynamo
+    gives up on a function because it hit its recompile limit (it then runs that frame
+    eagerly, saying so only in a log line: this watches that log line)."""
     if not _recompile_limit_listeners:
         class _Watch(logging.Filter):
             def filter(self, record: logging.LogRecord) -> bool:

@@ -94,5 +94,6 @@ def profile_case(runs: dict[str, Callable[[], Any]], onnx: dict[str, tuple[Calla
     (session maker, feeds)) through ONNX Runtime's."""
     found = {name: torch_profile(run, count) for name, run in runs.items() if name not in onnx}
     with torch.no_grad():
-        found.update({name: onnxruntime_profile(session_of, feeds, count) for name, (session_of, feeds) in onnx.items()})
+        found.update({name: onnxruntime_profile(session_of, feeds, count)
+                      for name, (session_of, feeds) in onnx.items()})
     return found

@@ -17,10 +17,29 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..report import first_line
-from .contenders import (Contender, OnnxStep, Unavailable, build, contenders, describe, graph_counts,
-                         graph_figures, report_of)
-from .measure import (EAGER, HALF_ERROR_FACTOR, CaseResult, Row, compare, fill_ratios, gemm_floor,
-                      interleaved_rounds, output_tolerance, warm_up)
+from .contenders import (
+    Contender,
+    OnnxStep,
+    Unavailable,
+    build,
+    contenders,
+    describe,
+    graph_counts,
+    graph_figures,
+    report_of,
+)
+from .measure import (
+    EAGER,
+    HALF_ERROR_FACTOR,
+    CaseResult,
+    Row,
+    compare,
+    fill_ratios,
+    gemm_floor,
+    interleaved_rounds,
+    output_tolerance,
+    warm_up,
+)
 from .profile import profile_case
 from .startup import measure_startup
 from .workloads import Case, Sizes, Step

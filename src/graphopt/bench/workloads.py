@@ -250,8 +250,12 @@ def resnet18(sizes: Sizes) -> Workload:
     model = ResNet18().to(sizes.device, sizes.dtype)
     size = sizes.pick(64, 112, 224)
     generator = torch.Generator().manual_seed(1)
-    cases = [Case(f"batch {batch}", (torch.randn(batch, 3, size, size, generator=generator).to(sizes.device, sizes.dtype),),
-                  _call, batch, "images") for batch in sizes.pick((2,), (1, 8), (1, 32))]
+
+    def images(batch: int) -> torch.Tensor:
+        return torch.randn(batch, 3, size, size, generator=generator).to(sizes.device, sizes.dtype)
+
+    batches = sizes.pick((2,), (1, 8), (1, 32))
+    cases = [Case(f"batch {batch}", (images(batch),), _call, batch, "images") for batch in batches]
     title = f"ResNet-18 (torchvision's layout): {size}x{size} images, {sizes.dtype}"
     return Workload("resnet18", title, model, cases, capture_sizes=[c.items for c in cases])
 
@@ -288,7 +292,8 @@ def serving(sizes: Sizes) -> Workload:
 
 def serving_small(sizes: Sizes) -> Workload:
     """The same at smaller sizes, half of them below 8 rows (serving.py)."""
-    from .serving import SMALL_SIZES, serving as trace_workload
+    from .serving import SMALL_SIZES
+    from .serving import serving as trace_workload
 
     return trace_workload(sizes, "serving-small", SMALL_SIZES)
 

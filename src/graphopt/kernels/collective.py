@@ -21,8 +21,8 @@ from typing import Optional
 import torch
 import torch.distributed  # noqa: F401 - registers the _c10d_functional ops
 
-from . import define
 from .._compat.names import OpOverload
+from . import define
 from .norm import _add_rms_norm, _add_rms_norm_fake
 
 # Namespaces whose every op communicates (or waits for communication).

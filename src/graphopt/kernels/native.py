@@ -29,6 +29,7 @@ def build(stem: str, source: Path, extra_cflags: Sequence[str], key: str = "",
     what else the build depends on (the vector ISA its flags ask for); a library that
     is no Python module registers its ops with the dispatcher as it loads."""
     import torch
+
     from .._compat import autotune
 
     autotune.hide_cuda_home_warning()

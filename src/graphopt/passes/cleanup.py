@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 import torch.fx
 
 from .base import GraphFacts, PassResult, alias_root, has_effect
@@ -64,7 +63,9 @@ def _hashable(value: object) -> object:
     """`value` with lists and dicts made into tuples; None if anything in it cannot be hashed."""
     if isinstance(value, (list, tuple)):
         items = [_hashable(v) for v in value]
-        return None if any(i is None and v is not None for i, v in zip(items, value)) else (type(value).__name__, *items)
+        if any(i is None and v is not None for i, v in zip(items, value)):
+            return None
+        return (type(value).__name__, *items)
     if isinstance(value, dict):
         return _hashable(sorted(value.items(), key=lambda kv: kv[0]))
     try:

@@ -78,6 +78,7 @@ def builtin_passes() -> dict[str, PassFn]:
 CLEANUP = ["dce", "remove_noops", "remove_redundant", "simplify_algebra", "cse", "fold_constants"]
 CLEANUP_ROUNDS = 4
 
+
 def _canonical_and_fusions() -> list[str]:
     from .canonical import canonical_passes
     from .fusion import fusion_passes

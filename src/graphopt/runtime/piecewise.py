@@ -13,7 +13,6 @@ from __future__ import annotations
 import operator
 from typing import Any, Callable, Sequence
 
-import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 

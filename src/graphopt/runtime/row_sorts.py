@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .row_rules import Call, Groups, Index, Mixes, Rows, along_rule, is_int, pointwise, positional, rule, \
-    whole
+from .row_rules import Call, Groups, Index, Mixes, Rows, along_rule, is_int, pointwise, positional, rule, whole
 
 _SORT_ALONG_OTHER_DIMS = along_rule("sorts", "dim")
 _SCAN = along_rule("scans", "dim")
@@ -61,7 +60,8 @@ def histc(call: Call) -> list:
     x, bins = call.named["self"], call.named["bins"]
     rows = call.rows(x)
     exact_bins = isinstance(bins, int) and is_int(call.named["min"], 0) and is_int(call.named["max"], bins - 1)
-    if rows is None or not (rows.keys and x.dim() == 1 and exact_bins and rows.bound is not None and rows.bound <= bins):
+    bounded = rows is not None and rows.bound is not None and rows.bound <= bins
+    if not (bounded and rows.keys and x.dim() == 1 and exact_bins):
         raise Mixes("counts values over every row of the batch")
     return [Groups(rows.order, bins)]
 

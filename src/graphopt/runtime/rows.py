@@ -36,10 +36,23 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import _compat
-from . import row_indexing, row_sorts, row_views  # noqa: F401 - register their rules
 from .._compat.names import tree_leaves
-from .row_rules import METADATA, NO_DATA, PER_ROW_WRITES, RULES, SIZE_ARGUMENTS, Call, Groups, Mixes, Rows, free, \
-    pointwise_rule, positional, rowwise
+from . import row_indexing, row_sorts, row_views  # noqa: F401 - register their rules
+from .row_rules import (
+    METADATA,
+    NO_DATA,
+    PER_ROW_WRITES,
+    RULES,
+    SIZE_ARGUMENTS,
+    Call,
+    Groups,
+    Mixes,
+    Rows,
+    free,
+    pointwise_rule,
+    positional,
+    rowwise,
+)
 
 
 class BatchRows:

@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from support import aot_graph, decode_inputs, targets
 from torch.func import functional_call
 
 import graphopt
 from graphopt.config import tolerance
 from graphopt.passes.fusion.activation import fuse_activations
-from support import aot_graph, decode_inputs, targets
 
 aten = torch.ops.aten
 transformers = pytest.importorskip("transformers")

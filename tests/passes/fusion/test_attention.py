@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from support import AtenGraph, aot_graph, decode_inputs, targets
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graphopt
@@ -18,7 +19,6 @@ from graphopt.models import Decoder, DecoderConfig
 from graphopt.models.decoder import repeat_kv
 from graphopt.passes.fusion import gates
 from graphopt.passes.fusion.attention import fuse_attention
-from support import AtenGraph, aot_graph, decode_inputs, targets
 
 aten, prims = torch.ops.aten, torch.ops.prims
 transformers = pytest.importorskip("transformers")

@@ -4,6 +4,7 @@ add + ReLU as one oneDNN call on a weight packed once (freeze_parameters=True, C
 import pytest
 import torch
 import torch.nn.functional as F
+from support import aot_graph, assert_close_tree, targets
 from torch import nn
 
 import graphopt
@@ -11,7 +12,6 @@ from graphopt._compat import mkldnn
 from graphopt.models import ResNet, ResNetConfig
 from graphopt.passes.constant_fold import FROZEN_INPUTS
 from graphopt.passes.fusion.conv import fuse_conv
-from support import aot_graph, assert_close_tree, targets
 
 pytestmark = pytest.mark.skipif(not mkldnn.available(), reason="torch built without oneDNN")
 aten = torch.ops.aten

@@ -7,6 +7,7 @@ are left alone."""
 import pytest
 import torch
 import torch.nn.functional as F
+from support import aot_graph, targets, unexpected_fallbacks
 
 import graphopt
 from graphopt import _compat
@@ -14,7 +15,6 @@ from graphopt.config import tolerance
 from graphopt.models import Decoder, DecoderConfig
 from graphopt.models.decoder import repeat_kv
 from graphopt.passes.fusion.decode_attention import fuse_decode_attention
-from support import aot_graph, targets, unexpected_fallbacks
 
 transformers = pytest.importorskip("transformers")
 

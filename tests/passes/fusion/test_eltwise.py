@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from support import aot_graph, targets
 
 import graphopt
 from graphopt.config import tolerance
 from graphopt.passes.fusion import FUSED_TAG
 from graphopt.passes.fusion.eltwise import fuse_eltwise
-from support import aot_graph, targets
 
 aten = torch.ops.aten
 DTYPES = [torch.float32, torch.bfloat16]

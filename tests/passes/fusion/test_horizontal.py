@@ -6,6 +6,7 @@ import operator
 import pytest
 import torch
 import torch.nn.functional as F
+from support import aot_graph, decode_inputs, targets
 
 import graphopt
 from graphopt.config import tolerance
@@ -14,7 +15,6 @@ from graphopt.passes.cleanup import cse
 from graphopt.passes.constant_fold import FROZEN_INPUTS, refresh_folded_constants
 from graphopt.passes.fusion.horizontal import fuse_horizontal_linear
 from graphopt.passes.fusion.linear import recompose_linear
-from support import aot_graph, decode_inputs, targets
 
 aten = torch.ops.aten
 SPLIT = aten.split_with_sizes.default

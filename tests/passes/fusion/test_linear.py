@@ -1,9 +1,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from support import aot_graph, targets
 
 from graphopt.passes.fusion.linear import recompose_linear, recompose_matmul
-from support import aot_graph, targets
 
 aten = torch.ops.aten
 

@@ -3,11 +3,11 @@ transposed view; with frozen weights, constant folding has made it a constant.""
 
 import pytest
 import torch
+from support import aot_graph, targets
 
 import graphopt
 from graphopt.config import tolerance
 from graphopt.passes.fusion.linear import fuse_matmul_transpose
-from support import aot_graph, targets
 
 aten = torch.ops.aten
 MATMULS = (aten.mm.default, aten.addmm.default, aten.bmm.default)

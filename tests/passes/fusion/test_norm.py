@@ -5,18 +5,18 @@ where they must not fuse."""
 import pytest
 import torch
 import torch.nn.functional as F
+from support import aot_graph, decode_inputs, targets
 from torch.func import functional_call
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import graphopt
 from graphopt.config import tolerance
+from graphopt.kernels import layer_norm as layer_norm_kernel
 from graphopt.models import Decoder, DecoderConfig
 from graphopt.models.decoder import RMSNorm
-from graphopt.kernels import layer_norm as layer_norm_kernel
 from graphopt.passes.cleanup import cse
 from graphopt.passes.fusion.norm import fuse_norms
-from support import aot_graph, decode_inputs, targets
-from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 aten, graphopt_ops = torch.ops.aten, torch.ops.graphopt
 BF16 = torch.bfloat16

@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from support import aot_graph, assert_close_tree, targets
 from torch import nn
 
 import graphopt
@@ -13,7 +14,6 @@ from graphopt._compat import mkldnn
 from graphopt.passes.constant_fold import FROZEN_INPUTS
 from graphopt.passes.fusion.linear import recompose_linear
 from graphopt.passes.fusion.packed_linear import fuse_packed_linear
-from support import aot_graph, assert_close_tree, targets
 
 pytestmark = pytest.mark.skipif(not mkldnn.available(), reason="torch built without oneDNN")
 aten = torch.ops.aten

@@ -4,12 +4,12 @@ mean: a global average pool."""
 import pytest
 import torch
 import torch.nn.functional as F
+from support import aot_graph, targets
 
 import graphopt
 from graphopt.config import tolerance
 from graphopt.passes.fusion import FUSED_TAG
 from graphopt.passes.fusion.pooling import fuse_pooling
-from support import aot_graph, targets
 
 aten = torch.ops.aten
 DTYPES = [torch.float32, torch.bfloat16]

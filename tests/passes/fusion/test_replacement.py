@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import aot_graph, targets
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graphopt
 from graphopt import FallbackKind
 from graphopt.passes.fusion.replacement import USER_PATTERNS
-from support import aot_graph, targets
 
 EPS = 1e-6
 

@@ -4,12 +4,12 @@ bfloat16, prefill and decode shapes; and the op against its definition."""
 
 import pytest
 import torch
+from support import aot_graph, targets
 
 import graphopt
 from graphopt.config import tolerance
 from graphopt.models import decoder
 from graphopt.passes.fusion.rotary import fuse_rotary
-from support import aot_graph, targets
 
 aten = torch.ops.aten
 transformers = pytest.importorskip("transformers")

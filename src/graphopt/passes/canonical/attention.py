@@ -147,9 +147,12 @@ def _batch_chain(node: torch.fx.Node) -> tuple[torch.fx.Node, int, bool, list]:
 
 def _swaps_last_two(node: torch.fx.Node) -> bool:
     rank = value_of(node).dim() if value_of(node) is not None else 0
-    return rank >= 2 and (node.target is aten.transpose.int and {d % rank for d in node.args[1:]} == {rank - 2, rank - 1}
-                          or node.target is aten.permute.default
-                          and [d % rank for d in node.args[1]] == [*range(rank - 2), rank - 1, rank - 2])
+    if rank < 2:
+        return False
+    if node.target is aten.transpose.int:
+        return {d % rank for d in node.args[1:]} == {rank - 2, rank - 1}
+    swapped = [*range(rank - 2), rank - 1, rank - 2]
+    return node.target is aten.permute.default and [d % rank for d in node.args[1]] == swapped
 
 
 def _query(operand: torch.fx.Node) -> torch.fx.Node | None:

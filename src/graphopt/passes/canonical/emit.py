@@ -66,7 +66,8 @@ class Emitter:
             return None
         q = self._permuted(site.q, d) if site.tiled else site.q
         keys, values = self._repeated(k), self._repeated(v)
-        scores = self._bmm(q, self.call(aten.permute.default, keys, [0, 1, 3, 2]), [-1, t, d], [-1, d, s], [-1, h, t, s])
+        keys_t = self.call(aten.permute.default, keys, [0, 1, 3, 2])
+        scores = self._bmm(q, keys_t, [-1, t, d], [-1, d, s], [-1, h, t, s])
         if site.scale != 1.0:
             scores = self.call(aten.mul.Tensor, scores, site.scale)
         if mask is not None:

@@ -37,7 +37,8 @@ def fuse_conv(gm: torch.fx.GraphModule) -> PassResult:
 
         before:  c = convolution(x, w, None, ...);  bn = _native_batch_norm_legit_no_training(c, g, b, m, v, 0.1, eps)
                  y = getitem(bn, 0);  s = add(y, identity);  r = relu(s)
-        after:   r = mkldnn._convolution_pointwise.binary(x, identity, _packed_0, _folded_1, ..., "add", None, "relu", [], None)
+        after:   r = mkldnn._convolution_pointwise.binary(x, identity, _packed_0, _folded_1, ...,
+                                                          "add", None, "relu", [], None)
 
     with `_folded_0 = w * g / sqrt(v + eps)` (per output channel), `_folded_1 = b - m *
     g / sqrt(v + eps)` and `_packed_0` = `_folded_0` reordered for oneDNN, all computed at

@@ -12,8 +12,8 @@ from ... import _compat
 from ..._compat import same_sizes
 from ..base import GraphFacts, PassResult, alias_root, erase_dead
 from ..constant_fold import FROZEN_INPUTS, fold_node
-from . import FUSED_TAG
 from ..strides import restrided, set_values
+from . import FUSED_TAG
 from .linear import DecomposedLinear, decomposed_linear
 
 aten = torch.ops.aten
