@@ -161,3 +161,28 @@ def test_the_report_notes_a_graph_that_could_have_been_frozen():
     training = graphopt.optimize(model, graphopt.GraphOptimizationConfig(cache_dir=None, use_cudagraph=False))
     training(*inputs())[0].sum().backward()  # records autograd: freezing would not apply
     assert not any(n.startswith("freeze_parameters=False") for n in training.report().notes)
+
+
+class Sliced(torch.nn.Module):
+    """A forward that builds a module as it runs (`self.layers[:n]`, as transformers' decoders do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[:2]:
+            x = layer(x)
+        return x
+
+
+def test_a_module_built_inside_a_compiled_forward_does_not_recompile_it():
+    frozen = optimized(Scaled().eval())  # the process now counts assignments
+    with torch.no_grad():
+        frozen(*inputs())
+        model = Sliced().eval()
+        step = graphopt.optimize(model, graphopt.GraphOptimizationConfig(use_cudagraph=False))
+        x, (atol, rtol) = inputs()[0], tolerance(torch.float32)
+        for _ in range(3):
+            torch.testing.assert_close(step(x), model(x), atol=atol, rtol=rtol)
+    assert len(step.report().graphs) == 1

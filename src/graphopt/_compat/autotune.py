@@ -102,3 +102,11 @@ def tuning_at_run_time() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def extension_build_lock(name: str) -> str:
+    """The lock file torch's C++ extension loader holds while it builds `name`: a build
+    that was killed leaves it behind, and every later load of `name` waits on it."""
+    from torch.utils import cpp_extension
+
+    return os.path.join(cpp_extension._get_build_directory(name, verbose=False), "lock")

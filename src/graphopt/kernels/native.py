@@ -6,15 +6,21 @@ a minute, later processes load it in milliseconds."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
+import os
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
 from ..report import first_line
 
 log = logging.getLogger("graphopt")
+
+# A build takes about a minute; a lock this old is one a killed build left behind.
+STALE_LOCK_SECONDS = 15 * 60
 
 # Compiler flags per vector ISA torch reports, as Inductor builds its CPU kernels.
 _ISA_FLAGS = {
@@ -37,11 +43,25 @@ def build(stem: str, source: Path, extra_cflags: Sequence[str], key: str = "",
 
     digest = hashlib.sha256(source.read_bytes() + torch.__version__.encode() + key.encode()).hexdigest()[:12]
     try:
+        _remove_stale_lock(autotune.extension_build_lock(f"{stem}_{digest}"))
         module = cpp_extension.load(f"{stem}_{digest}", [str(source)], extra_cflags=list(extra_cflags),
                                     is_python_module=python_module)
         return module, None
     except Exception as error:  # noqa: BLE001 - no compiler, no ninja, a header torch moved: the caller falls back
         return None, first_line(error) or type(error).__name__
+
+
+def _remove_stale_lock(lock: str) -> None:
+    """torch's loader waits without end on a lock that a killed build left: one older
+    than any build is removed, and the build runs again."""
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        log.warning("graphopt: removing %s, left %.0f minutes ago by a build that did not finish", lock, age / 60)
+        with contextlib.suppress(OSError):
+            os.remove(lock)
 
 
 @functools.cache
