@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -38,6 +39,8 @@ LEVELS = (1, 2)
 # device graph, so a tie is not worth Inductor's compile in every later process.
 MARGIN = 0.97
 ROUNDS, ROUND_SECONDS = 7, 0.02
+# The level 2 compiles running in child processes, for wait_for_background().
+_PENDING: weakref.WeakSet[background.BackgroundCompile] = weakref.WeakSet()
 
 
 class LevelChoice:
@@ -120,6 +123,8 @@ def choose(compile_at: Callable[[int], Callable], eager: Callable, stateful: lis
     a child process, and level 1 serves until it arrives."""
     runtimes = {1: compile_at(1)}
     pending = background.BackgroundCompile() if in_background else None
+    if pending is not None:
+        _PENDING.add(pending)
     try:
         with background.in_child(pending) if pending is not None else contextlib.nullcontext():
             runtimes[2] = compile_at(2)
@@ -129,6 +134,13 @@ def choose(compile_at: Callable[[int], Callable], eager: Callable, stateful: lis
         record.update(level=1, seconds={}, reason=why)
         return runtimes[1]
     return LevelChoice(runtimes, eager, stateful, record, report, chosen, pending=pending)
+
+
+def wait_for_background(timeout: float | None = None) -> bool:
+    """Block until every level 2 compiling in the background in this process has its code
+    (or has failed), or `timeout` seconds; whether they all have. Each graph's next call
+    then makes its choice (a benchmark waits here so that it times the chosen level)."""
+    return all(pending.wait(timeout) for pending in list(_PENDING))
 
 
 def pick(seconds: dict[int, float]) -> int:

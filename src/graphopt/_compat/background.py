@@ -16,6 +16,7 @@ exist there when the graph is unpickled.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import os
@@ -43,6 +44,10 @@ class BackgroundCompile:
     def error(self) -> BaseException | None:
         """The first child compile's exception, once ready; None when all succeeded."""
         return next((f.exception() for f in self.futures if f.exception() is not None), None)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until ready, or `timeout` seconds; whether it is ready."""
+        return not concurrent.futures.wait(self.futures, timeout).not_done
 
 
 @contextlib.contextmanager
