@@ -42,8 +42,8 @@ class FakePending:
     def ready(self):
         return self.done
 
-    def error(self):
-        return self.failure
+    def why(self):
+        return None if self.failure is None else f"{type(self.failure).__name__}: {self.failure}".splitlines()[0]
 
 
 def choice_of(costs: dict[int, float], pending=None):
@@ -256,3 +256,22 @@ def test_auto_compiles_level_2_in_a_child_process_with_graphopts_passes_and_swap
     level2 = report.graphs[1]  # the pass ran in this process, on the graph the child compiled
     assert level2.fused_ops.get("scaled_dot_product_attention") == 1, str(report)
     assert list(report.fallbacks) == []
+
+
+def test_a_child_compile_that_fails_leaves_level_1_serving_and_says_why_end_to_end():
+    model, x = MLP().eval(), torch.randn(4, 32)
+    # A compiler the child cannot run: level 2 fails there and nowhere else.
+    config = graphopt.GraphOptimizationConfig(graph_opt_level="auto", cache_dir=None,
+                                              inductor_compile_config={"cpp.cxx": "/nonexistent/c++"})
+    atol, rtol = tolerance(torch.float32)
+    with torch.no_grad():
+        expected = model(x)
+        optimized = graphopt.optimize(model, config)
+        torch.testing.assert_close(optimized(x), expected, atol=atol, rtol=rtol)
+        assert tiers.wait_for_background(timeout=600)
+        torch.testing.assert_close(optimized(x), expected, atol=atol, rtol=rtol)
+    [choice] = optimized.report().level_choices
+    assert choice["level"] == 1 and "No working C++ compiler" in choice["reason"]
+    assert list(optimized.report().fallbacks) == [
+        f"graph_opt_level='auto': {choice['reason']}; level 1 serves graph 0"]
+    assert choice["reason"].startswith("level 2 failed to compile in the background (")

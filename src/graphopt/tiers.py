@@ -75,11 +75,11 @@ class LevelChoice:
         where the child's compile failed."""
         if not self.pending.ready():
             return self.runtimes[1](*args)
-        error = self.pending.error()
+        error = self.pending.why()
         if error is None:
             self.run = self._first
             return self._first(*args)
-        why = f"level 2 failed to compile in the background ({type(error).__name__}: {first_line(error)[:200]})"
+        why = f"level 2 failed to compile in the background ({error[:200]})"
         self.report.fallback(f"graph_opt_level='auto': {why}; level 1 serves graph {self.record['graph']}")
         self.record.update(level=1, seconds={}, reason=why)
         self.run, self.runtimes = self.runtimes[1], {}

@@ -45,6 +45,16 @@ class BackgroundCompile:
         """The first child compile's exception, once ready; None when all succeeded."""
         return next((f.exception() for f in self.futures if f.exception() is not None), None)
 
+    def why(self) -> str | None:
+        """The first failed child compile's error as "Type: message", once ready; None when
+        all succeeded. A child's error arrives as its traceback's text, which ends in it."""
+        error = self.error()
+        if error is None:
+            return None
+        details = getattr(error, "details", None)  # SubprocException: the child's formatted traceback
+        lines = [line.strip() for line in (details or "").splitlines() if line.strip()]
+        return lines[-1] if lines else f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until ready, or `timeout` seconds; whether it is ready."""
         return not concurrent.futures.wait(self.futures, timeout).not_done
