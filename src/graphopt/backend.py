@@ -174,15 +174,9 @@ class Backend:
         if "level" in record:
             return self._runtime_at(gm, example_inputs, record["level"])[0]
         stateful = tiers.stateful_inputs(_compat.input_kinds(gm), example_inputs)
-        # In the background, only Inductor's code generation on the CPU, where frozen weights are not bound.
-        in_background = device_type(example_inputs) == "cpu" and not self.config.freeze_parameters
-
-        def compile_at(level: int) -> Callable:
-            with self.cache.off() if in_background and level == 2 else contextlib.nullcontext():
-                return self._runtime_at(gm, example_inputs, level)[0]
-
-        return tiers.choose(compile_at, gm, stateful, record, self._report,
-                            functools.partial(self.cache.store_choice, key), in_background)
+        background = tiers.background_compile(device_type(example_inputs), self.config, self.cache.off)
+        return tiers.choose(lambda level: self._runtime_at(gm, example_inputs, level)[0], gm, stateful, record,
+                            self._report, functools.partial(self.cache.store_choice, key), background)
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], level: int,
                  key: str | None = None) -> Callable:

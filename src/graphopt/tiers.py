@@ -26,12 +26,13 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
 from . import candidates
 from ._compat import background
+from .config import GraphOptimizationConfig
 from .report import Report, first_line
 
 LEVELS = (1, 2)
@@ -115,18 +116,32 @@ class LevelChoice:
         return self.run(*args)
 
 
+def background_compile(device: str, config: GraphOptimizationConfig,
+                       cache_off: Callable[[], ContextManager]) -> Callable[[], ContextManager] | None:
+    """Where level 2 compiles in the background, the context it compiles in: the compile
+    cache off (the code it would store arrives later). None where it compiles at once:
+    the child generates Inductor's CPU code only, and a frozen graph's weight refresh
+    compiles level 2 again in this process (not tried in a child)."""
+    return cache_off if device == "cpu" and not config.freeze_parameters else None
+
+
 def choose(compile_at: Callable[[int], Callable], eager: Callable, stateful: list[int], record: dict[str, Any],
-           report: Report, chosen: Callable[[dict[str, Any]], None], in_background: bool = False) -> Callable:
+           report: Report, chosen: Callable[[dict[str, Any]], None],
+           in_background: Callable[[], ContextManager] | None = None) -> Callable:
     """One graph compiled at each level (`compile_at(level)`), as a LevelChoice. Level 1
     must compile (every graph gets it without "auto"); a level 2 that fails to compile
-    leaves level 1 serving, and says why. `in_background`: level 2's code is generated in
-    a child process, and level 1 serves until it arrives."""
+    leaves level 1 serving, and says why. With `in_background` (background_compile's
+    context), level 2's code is generated in a child process and level 1 serves until it
+    arrives."""
     runtimes = {1: compile_at(1)}
-    pending = background.BackgroundCompile() if in_background else None
+    pending = background.BackgroundCompile() if in_background is not None else None
     if pending is not None:
         _PENDING.add(pending)
     try:
-        with background.in_child(pending) if pending is not None else contextlib.nullcontext():
+        with contextlib.ExitStack() as stack:
+            if pending is not None:
+                stack.enter_context(in_background())
+                stack.enter_context(background.in_child(pending))
             runtimes[2] = compile_at(2)
     except Exception as error:  # noqa: BLE001 - Inductor failing on a graph must not fail the model
         why = f"level 2 failed to compile ({type(error).__name__}: {first_line(error)[:200]})"

@@ -30,6 +30,10 @@ class NotSerializable(RuntimeError):
     """Inductor could not pickle the graph for a child process."""
 
 
+class UnguardedAssumption(RuntimeError):
+    """The child's compile added a guard on the graph's sizes after Dynamo's guards were made."""
+
+
 class BackgroundCompile:
     """The futures of the child compiles one `compile_fx` started (one per graph AOTAutograd
     compiles: the forward in inference)."""
@@ -96,12 +100,20 @@ def _start(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inputs_to_ch
     if serialized is None:
         raise NotSerializable("Inductor could not pickle the graph or its inputs for a child process")
     pickled, constants = serialized
+    shape_env = _current_shape_env()
+    known = len(shape_env.guards) if shape_env is not None else 0
     env = {v: os.environ[v] for v in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") if v in os.environ}
     future = _pool().submit(_run_in_child, pickled, env)
     started.futures.append(future)
 
     def arrived(pickled_output: Any) -> Any:
         output = pickled_output.deserialize(constants)
+        # A guard Inductor added while compiling (a size it specialized on) would have
+        # joined Dynamo's guards in this process; from the child it cannot any more.
+        added = output.shape_env.guards[known:] if output.shape_env is not None else []
+        if added:
+            raise UnguardedAssumption("Inductor's code assumes " + ", ".join(str(g.expr) for g in added[:3])
+                                      + ", which Dynamo's guards do not check")
         scheme._postprocess(output)
         return output.graph
 
@@ -110,6 +122,12 @@ def _start(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inputs_to_ch
 
     here._boxed_call = True  # type: ignore[attr-defined]
     return _AsyncOutputCode(here, future, arrived)
+
+
+def _current_shape_env() -> Any:
+    from torch._inductor.compile_fx_ext import _current_fake_mode
+
+    return _current_fake_mode().shape_env
 
 
 def _run_in_child(pickled: Any, env: dict[str, str]) -> Any:
