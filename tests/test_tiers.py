@@ -33,7 +33,20 @@ def fake_runtime(clock: FakeClock, seconds: float, state: torch.Tensor, result=N
     return run
 
 
-def choice_of(costs: dict[int, float]):
+class FakePending:
+    """A level 2 compiling in the background: ready when the test says, failed with `error`."""
+
+    def __init__(self, error=None):
+        self.done, self.failure = False, error
+
+    def ready(self):
+        return self.done
+
+    def why(self):
+        return None if self.failure is None else f"{type(self.failure).__name__}: {self.failure}".splitlines()[0]
+
+
+def choice_of(costs: dict[int, float], pending=None):
     """A LevelChoice between fake runtimes of the given per-call costs; (choice, state,
     report, what `chosen` received)."""
     clock, state, report, received = FakeClock(), torch.zeros(3), Report("auto"), []
@@ -44,7 +57,7 @@ def choice_of(costs: dict[int, float]):
         return (x * 2,)
 
     record = {"graph": 0}
-    choice = tiers.LevelChoice(runtimes, eager, [1], record, report, received.append, clock=clock)
+    choice = tiers.LevelChoice(runtimes, eager, [1], record, report, received.append, clock=clock, pending=pending)
     return choice, state, report, received
 
 
@@ -116,7 +129,9 @@ def test_auto_chooses_a_level_and_a_later_process_compiles_only_that_one(tmp_pat
         expected = model(x)
         first = graphopt.optimize(model, config)
         atol, rtol = tolerance(torch.float32)
-        torch.testing.assert_close(first(x), expected, atol=atol, rtol=rtol)
+        torch.testing.assert_close(first(x), expected, atol=atol, rtol=rtol)  # level 1, level 2 in the background
+        assert tiers.wait_for_background(timeout=600)
+        torch.testing.assert_close(first(x), expected, atol=atol, rtol=rtol)  # the choice
         torch.testing.assert_close(first(x), expected, atol=atol, rtol=rtol)
         report = first.report()
         assert len(report.graphs) == 2  # one graph, compiled at both levels
@@ -169,3 +184,90 @@ def test_a_graph_that_fails_when_timed_keeps_level_1_and_says_why():
     assert received[0]["level"] == 1
     assert received[0]["reason"] == "timing its levels failed (IndexError: index 9 is out of bounds)"
     assert report.fallback_counts == {FallbackKind.LEVEL: 1}
+
+
+def test_level_1_serves_while_level_2_compiles_in_the_background_then_the_faster_serves():
+    pending = FakePending()
+    choice, state, report, received = choice_of({1: 5e-3, 2: 3e-3}, pending)
+    calls = {level: 0 for level in (1, 2)}
+    for level in (1, 2):
+        runtime = choice.runtimes[level]
+        choice.runtimes[level] = lambda *args, level=level, runtime=runtime: (calls.update({level: calls[level] + 1}),
+                                                                              runtime(*args))[1]
+    x = torch.arange(3.0)
+    for _ in range(3):
+        assert torch.equal(choice(x, state)[0], x * 2)
+    assert calls == {1: 3, 2: 0} and received == [] and torch.equal(state, torch.full((3,), 3.0))
+    pending.done = True
+    assert torch.equal(choice(x, state)[0], x * 2)
+    assert received[0]["level"] == 2 and set(received[0]["seconds"]) == {"1", "2"}
+    assert torch.equal(state, torch.full((3,), 4.0))  # the choosing call's timed runs were undone: one call's effect
+    before = calls[2]
+    choice(x, state)
+    assert calls[2] == before + 1 and list(report.fallbacks) == []
+
+
+def test_a_background_compile_that_fails_leaves_level_1_serving_and_says_why():
+    pending = FakePending(RuntimeError("C++ compile error\ncc1plus: fatal"))
+    choice, state, report, received = choice_of({1: 5e-3, 2: 3e-3}, pending)
+    x = torch.arange(3.0)
+    choice(x, state)
+    pending.done = True
+    assert torch.equal(choice(x, state)[0], x * 2) and torch.equal(state, torch.full((3,), 2.0))
+    assert received == []  # not stored: a later process compiles level 2 again
+    assert choice.record == {"graph": 0, "level": 1, "seconds": {},
+                             "reason": "level 2 failed to compile in the background (RuntimeError: C++ compile error)"}
+    assert list(report.fallbacks) == ["graph_opt_level='auto': level 2 failed to compile in the background "
+                                      "(RuntimeError: C++ compile error); level 1 serves graph 0"]
+
+
+class Attention(torch.nn.Module):
+    """softmax(q·kᵀ·s)·v written out, which graphopt's level 2 fuses into SDPA."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 4, 8).permute(2, 0, 3, 1, 4)
+        weights = torch.softmax(q @ k.transpose(-1, -2) * 8 ** -0.5, dim=-1)
+        return self.out((weights @ v).transpose(1, 2).reshape(x.shape))
+
+
+def test_auto_compiles_level_2_in_a_child_process_with_graphopts_passes_and_swaps_it_in():
+    torch.manual_seed(0)
+    model, x = Attention().eval(), torch.randn(2, 16, 32)
+    config = graphopt.GraphOptimizationConfig(graph_opt_level="auto", cache_dir=None)
+    atol, rtol = tolerance(torch.float32)
+    with torch.no_grad():
+        expected = model(x)
+        optimized = graphopt.optimize(model, config)
+        torch.testing.assert_close(optimized(x), expected, atol=atol, rtol=rtol)
+        assert tiers.wait_for_background(timeout=600)
+        for _ in range(3):
+            torch.testing.assert_close(optimized(x), expected, atol=atol, rtol=rtol)
+    report = optimized.report()
+    [choice] = report.level_choices
+    assert choice["level"] in (1, 2) and set(choice["seconds"]) == {"1", "2"}
+    level2 = report.graphs[1]  # the pass ran in this process, on the graph the child compiled
+    assert level2.fused_ops.get("scaled_dot_product_attention") == 1, str(report)
+    assert list(report.fallbacks) == []
+
+
+def test_a_child_compile_that_fails_leaves_level_1_serving_and_says_why_end_to_end():
+    model, x = MLP().eval(), torch.randn(4, 32)
+    # A compiler the child cannot run: level 2 fails there and nowhere else.
+    config = graphopt.GraphOptimizationConfig(graph_opt_level="auto", cache_dir=None,
+                                              inductor_compile_config={"cpp.cxx": "/nonexistent/c++"})
+    atol, rtol = tolerance(torch.float32)
+    with torch.no_grad():
+        expected = model(x)
+        optimized = graphopt.optimize(model, config)
+        torch.testing.assert_close(optimized(x), expected, atol=atol, rtol=rtol)
+        assert tiers.wait_for_background(timeout=600)
+        torch.testing.assert_close(optimized(x), expected, atol=atol, rtol=rtol)
+    [choice] = optimized.report().level_choices
+    assert choice["level"] == 1 and "No working C++ compiler" in choice["reason"]
+    assert list(optimized.report().fallbacks) == [
+        f"graph_opt_level='auto': {choice['reason']}; level 1 serves graph 0"]
+    assert choice["reason"].startswith("level 2 failed to compile in the background (")

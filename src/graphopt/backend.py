@@ -177,8 +177,9 @@ class Backend:
         if "level" in record:
             return self._runtime_at(gm, example_inputs, record["level"])[0]
         stateful = tiers.stateful_inputs(_compat.input_kinds(gm), example_inputs)
+        background = tiers.background_compile(device_type(example_inputs), self.config, self.cache.off)
         return tiers.choose(lambda level: self._runtime_at(gm, example_inputs, level)[0], gm, stateful, record,
-                            self._report, functools.partial(self.cache.store_choice, key))
+                            self._report, functools.partial(self.cache.store_choice, key), background)
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], level: int,
                  key: str | None = None) -> Callable:

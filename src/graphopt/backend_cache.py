@@ -17,11 +17,12 @@ recompute differently is compiled again, never loaded.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import operator
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx
@@ -63,6 +64,16 @@ class BackendCache:
     def __init__(self, config: GraphOptimizationConfig, report: Report):
         self.config, self.report = config, report
         self.disk = cache.CompileCache(config.cache_dir, report) if config.cache_dir else None
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        """Inside, graphs are compiled without the compile cache (a compile whose code
+        arrives later has nothing to store yet)."""
+        disk, self.disk = self.disk, None
+        try:
+            yield
+        finally:
+            self.disk = disk
 
     def bypass(self) -> str | None:
         """Why this Backend's graphs do not go through the compile cache, or None."""

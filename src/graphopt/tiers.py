@@ -5,6 +5,11 @@
                                                                               that call's inputs, interleaved;
                                                                               the faster serves every call after
 
+On the CPU level 2 compiles in the background: its code is generated in a child process
+(_compat/background.py) while level 1 serves, and the choice is made at the first call
+after the code arrived. The first call then costs level 1's compile and level 2's
+tracing and passes, not Inductor's code generation and C++ build.
+
 Level 1 wins where a step is bound by launches (a small decode step replayed as one
 host graph), level 2 where it is bound by compute (convolutions, large GEMMs, long
 sequences): no rule of thumb picks right on every model, the clock does. The choice,
@@ -18,12 +23,16 @@ sees one call's effect.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any, Callable, Sequence
+import weakref
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
 from . import candidates
+from ._compat import background
+from .config import GraphOptimizationConfig
 from .report import FallbackKind, Report, first_line
 
 LEVELS = (1, 2)
@@ -31,6 +40,8 @@ LEVELS = (1, 2)
 # device graph, so a tie is not worth Inductor's compile in every later process.
 MARGIN = 0.97
 ROUNDS, ROUND_SECONDS = 7, 0.02
+# The level 2 compiles running in child processes, for wait_for_background().
+_PENDING: weakref.WeakSet[background.BackgroundCompile] = weakref.WeakSet()
 
 
 class LevelChoice:
@@ -38,14 +49,17 @@ class LevelChoice:
     levels whose outputs equal eager's are timed and the faster runs from then on.
 
     `clock` is read around each timed run (a test gives a fake one); `chosen` is called
-    once with the finished record (the compile cache stores it)."""
+    once with the finished record (the compile cache stores it). With `pending` (level 2's
+    code still being generated in a child process), level 1 serves every call until it has
+    arrived, and the first call after chooses."""
 
     def __init__(self, runtimes: dict[int, Callable], eager: Callable, stateful: list[int], record: dict[str, Any],
                  report: Report, chosen: Callable[[dict[str, Any]], None],
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, pending: background.BackgroundCompile | None = None):
         self.runtimes, self.eager, self.stateful = runtimes, eager, stateful
         self.record, self.report, self.chosen, self.clock = record, report, chosen, clock
-        self.run: Callable = self._first
+        self.pending = pending
+        self.run: Callable = self._first if pending is None else self._waiting
 
     def __call__(self, *args: Any) -> Any:
         return self.run(*args)
@@ -56,6 +70,22 @@ class LevelChoice:
         if len(agreeing) < 2:
             return {level: 0.0 for level in agreeing}
         return candidates.median_seconds(agreeing, args, ROUNDS, ROUND_SECONDS, state.restore, self.clock)
+
+    def _waiting(self, *args: Any) -> Any:
+        """Level 1 while level 2's code is on its way; then the choice, or level 1 for good
+        where the child's compile failed."""
+        if not self.pending.ready():
+            return self.runtimes[1](*args)
+        error = self.pending.why()
+        if error is None:
+            self.run = self._first
+            return self._first(*args)
+        why = f"level 2 failed to compile in the background ({error[:200]})"
+        self.report.fallback(FallbackKind.LEVEL,
+                             f"graph_opt_level='auto': {why}; level 1 serves graph {self.record['graph']}")
+        self.record.update(level=1, seconds={}, reason=why)
+        self.run, self.runtimes = self.runtimes[1], {}
+        return self.run(*args)
 
     def _first(self, *args: Any) -> Any:
         state = _State([args[i] for i in self.stateful])
@@ -89,20 +119,46 @@ class LevelChoice:
         return self.run(*args)
 
 
+def background_compile(device: str, config: GraphOptimizationConfig,
+                       cache_off: Callable[[], ContextManager]) -> Callable[[], ContextManager] | None:
+    """Where level 2 compiles in the background, the context it compiles in: the compile
+    cache off (the code it would store arrives later). None where it compiles at once:
+    the child generates Inductor's CPU code only, and a frozen graph's weight refresh
+    compiles level 2 again in this process (not tried in a child)."""
+    return cache_off if device == "cpu" and not config.freeze_parameters else None
+
+
 def choose(compile_at: Callable[[int], Callable], eager: Callable, stateful: list[int], record: dict[str, Any],
-           report: Report, chosen: Callable[[dict[str, Any]], None]) -> Callable:
+           report: Report, chosen: Callable[[dict[str, Any]], None],
+           in_background: Callable[[], ContextManager] | None = None) -> Callable:
     """One graph compiled at each level (`compile_at(level)`), as a LevelChoice. Level 1
     must compile (every graph gets it without "auto"); a level 2 that fails to compile
-    leaves level 1 serving, and says why."""
+    leaves level 1 serving, and says why. With `in_background` (background_compile's
+    context), level 2's code is generated in a child process and level 1 serves until it
+    arrives."""
     runtimes = {1: compile_at(1)}
+    pending = background.BackgroundCompile() if in_background is not None else None
+    if pending is not None:
+        _PENDING.add(pending)
     try:
-        runtimes[2] = compile_at(2)
+        with contextlib.ExitStack() as stack:
+            if pending is not None:
+                stack.enter_context(in_background())
+                stack.enter_context(background.in_child(pending))
+            runtimes[2] = compile_at(2)
     except Exception as error:  # noqa: BLE001 - Inductor failing on a graph must not fail the model
         why = f"level 2 failed to compile ({type(error).__name__}: {first_line(error)[:200]})"
         report.fallback(FallbackKind.LEVEL, f"graph_opt_level='auto': {why}; level 1 serves graph {record['graph']}")
         record.update(level=1, seconds={}, reason=why)
         return runtimes[1]
-    return LevelChoice(runtimes, eager, stateful, record, report, chosen)
+    return LevelChoice(runtimes, eager, stateful, record, report, chosen, pending=pending)
+
+
+def wait_for_background(timeout: float | None = None) -> bool:
+    """Block until every level 2 compiling in the background in this process has its code
+    (or has failed), or `timeout` seconds; whether they all have. Each graph's next call
+    then makes its choice (a benchmark waits here so that it times the chosen level)."""
+    return all(pending.wait(timeout) for pending in list(_PENDING))
 
 
 def pick(seconds: dict[int, float]) -> int:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .. import tiers
 from .._compat.names import tree_leaves, tree_map
 from .workloads import Case, Step
 
@@ -170,11 +171,14 @@ def warm_up(run: Callable[[], Any], warmups: int, tick: Callable[[str], None],
             before_last: Callable[[], None] = lambda: None) -> Any:
     """Call `run` (a contender's run of a case) `warmups` times, which compiles and
     captures, and return the last output: a replay, once device graphs are captured.
-    `before_last` is called before that last run (the checked one)."""
+    `before_last` is called before that last run (the checked one). graph_opt_level="auto"
+    compiles level 2 in the background: the last run waits for it and chooses, and the
+    rounds time the level chosen."""
     with torch.inference_mode():
         for i in range(warmups):
             tick(f"warm-up {i + 1}/{warmups}")
             if i == warmups - 1:
+                tiers.wait_for_background()
                 before_last()
             output = _clone(run())
     return output

@@ -1,0 +1,147 @@
+"""Inductor's code generation in a child process, while this process serves another runtime.
+
+    compile_fx -> AOTAutograd's graph -> graphopt's post-grad pass (here, in the main thread)
+               -> pickled graph -> child process: Inductor's post-grad passes, lowering, C++ build
+               -> Future; its code is unpickled here when `BackgroundCompile.ready()`
+
+Why a child process and not a thread: `make_fx` (Inductor's pattern replacements, graphopt's
+pattern registration) sets FX's process-global tracing flag, and while it is set every call to
+a `torch.compile`d function in another thread raises "Detected that you are using FX to
+symbolically trace a dynamo-optimized function". Why graphopt's pass runs here: Inductor
+leaves `post_grad_custom_post_pass` out of the config it sends to the child
+(`_save_config_ignore`), and the pass's pattern tracing is safe in the main thread. The
+child imports graphopt (this module) first, so graphopt's operators and their lowerings
+exist there when the graph is unpickled.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import os
+from concurrent.futures import Future
+from typing import Any, Iterator, Sequence
+
+import torch
+
+
+class NotSerializable(RuntimeError):
+    """Inductor could not pickle the graph for a child process."""
+
+
+class UnguardedAssumption(RuntimeError):
+    """The child's compile added a guard on the graph's sizes after Dynamo's guards were made."""
+
+
+class BackgroundCompile:
+    """The futures of the child compiles one `compile_fx` started (one per graph AOTAutograd
+    compiles: the forward in inference)."""
+
+    def __init__(self) -> None:
+        self.futures: list[Future] = []
+
+    def ready(self) -> bool:
+        """Whether every child compile has finished (or failed: `error()` says)."""
+        return all(f.done() for f in self.futures)
+
+    def error(self) -> BaseException | None:
+        """The first child compile's exception, once ready; None when all succeeded."""
+        return next((f.exception() for f in self.futures if f.exception() is not None), None)
+
+    def why(self) -> str | None:
+        """The first failed child compile's error as "Type: message", once ready; None when
+        all succeeded. A child's error arrives as its traceback's text, which ends in it."""
+        error = self.error()
+        if error is None:
+            return None
+        details = getattr(error, "details", None)  # SubprocException: the child's formatted traceback
+        lines = [line.strip() for line in (details or "").splitlines() if line.strip()]
+        return lines[-1] if lines else f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until ready, or `timeout` seconds; whether it is ready."""
+        return not concurrent.futures.wait(self.futures, timeout).not_done
+
+
+@contextlib.contextmanager
+def in_child(started: BackgroundCompile) -> Iterator[None]:
+    """Inside, Inductor's `compile_fx` returns at once: code generation runs in a child
+    process, the compiled graph runs AOTAutograd's graph here until its code arrives."""
+    from torch._inductor import compile_fx as inductor
+
+    def codegen(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inputs_to_check: Sequence[int],
+                compile_region_name: str | None = None, **graph_kwargs: Any) -> Any:
+        return _start(gm, example_inputs, inputs_to_check, graph_kwargs, started)
+
+    saved = inductor.fx_codegen_and_compile
+    inductor.fx_codegen_and_compile = codegen
+    # The caches would store the code before it exists: a compile in the background bypasses them.
+    try:
+        with torch._functorch.config.patch(bundled_autograd_cache=False, enable_autograd_cache=False), \
+                torch._inductor.config.patch(force_disable_caches=True):
+            yield
+    finally:
+        inductor.fx_codegen_and_compile = saved
+
+
+def _start(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inputs_to_check: Sequence[int],
+           graph_kwargs: dict[str, Any], started: BackgroundCompile) -> Any:
+    from torch._inductor import config
+    from torch._inductor.compile_fx_async import _AsyncOutputCode
+    from torch._inductor.compile_fx_subproc import _SubprocessFxCompile
+
+    custom = config.post_grad_custom_post_pass
+    if custom is not None:
+        custom(gm.graph)
+        gm.recompile()
+    scheme = _SubprocessFxCompile()
+    serialized = scheme.serialize_compile(gm, example_inputs, inputs_to_check, graph_kwargs)
+    if serialized is None:
+        raise NotSerializable("Inductor could not pickle the graph or its inputs for a child process")
+    pickled, constants = serialized
+    shape_env = _current_shape_env()
+    known = len(shape_env.guards) if shape_env is not None else 0
+    env = {v: os.environ[v] for v in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") if v in os.environ}
+    future = _pool().submit(_run_in_child, pickled, env)
+    started.futures.append(future)
+
+    def arrived(pickled_output: Any) -> Any:
+        output = pickled_output.deserialize(constants)
+        # A guard Inductor added while compiling (a size it specialized on) would have
+        # joined Dynamo's guards in this process; from the child it cannot any more.
+        added = output.shape_env.guards[known:] if output.shape_env is not None else []
+        if added:
+            raise UnguardedAssumption("Inductor's code assumes " + ", ".join(str(g.expr) for g in added[:3])
+                                      + ", which Dynamo's guards do not check")
+        scheme._postprocess(output)
+        return output.graph
+
+    def here(args: list) -> Any:
+        return gm(*args)
+
+    here._boxed_call = True  # type: ignore[attr-defined]
+    return _AsyncOutputCode(here, future, arrived)
+
+
+def _current_shape_env() -> Any:
+    from torch._inductor.compile_fx_ext import _current_fake_mode
+
+    return _current_fake_mode().shape_env
+
+
+def _run_in_child(pickled: Any, env: dict[str, str]) -> Any:
+    from torch._inductor.compile_fx_subproc import _SubprocessFxCompile
+
+    return _SubprocessFxCompile._run_in_child_subprocess(pickled, env)
+
+
+@functools.cache
+def _pool() -> Any:
+    import atexit
+
+    from torch._inductor.compile_worker.subproc_pool import SubprocKind, SubprocPool
+
+    pool = SubprocPool(1, kind=SubprocKind.SPAWN)
+    atexit.register(pool.shutdown)
+    return pool
