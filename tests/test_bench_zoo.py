@@ -80,6 +80,17 @@ def test_zoo_table_compares_each_graphopt_row_with_torch_compile():
                            "L1; g0: no fusion"]]
 
 
+def test_zoo_table_shows_what_level_auto_chose_where_it_ran():
+    from graphopt.bench.measure import CaseResult, Row
+
+    case = CaseResult("batch 1", "images", 1, rows=[
+        Row("eager", True, [300.0] * 3, True, 0.0),
+        Row("graphopt default", False, [250.0] * 3, True, 0.0, choice="L1; g0: no fusion"),
+        Row("graphopt auto", False, [150.0] * 3, True, 0.0, choice="Lauto; g0 (level 2 chosen): no fusion")])
+    table = output.zoo_cells([WorkloadResult("zoo-resnet50", "timm resnet50", [case])])
+    assert table.rows[0][-1] == "Lauto; g0 (level 2 chosen): no fusion"
+
+
 def test_choice_names_the_level_and_each_graphs_fused_ops():
     report = Report(level=1, graphs=[GraphRecord(0, fused_ops={"rms_norm": 9, "attention": 4}), GraphRecord(1)])
     assert zoo.chosen(report) == "L1; g0: attention x4, rms_norm x9; g1: no fusion"

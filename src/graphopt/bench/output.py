@@ -143,7 +143,8 @@ def graph_cells(result: CaseResult) -> Cells:
 
 ZOO_CAPTION = ("median per run; vs torch.compile: torch.compile's (default mode) median / graphopt's, "
                "below 1.00x slower than it, * a noisy row (rounds stray more than ±10%); graphopt chose: "
-               "the report of the first graphopt contender, its level and each graph's fused ops")
+               "the report of graphopt's level 'auto' where it ran (the level each graph chose), else of the "
+               "first graphopt contender: its level and each graph's fused ops")
 
 
 def zoo_cells(results: list[WorkloadResult]) -> Cells:
@@ -159,7 +160,8 @@ def zoo_cells(results: list[WorkloadResult]) -> Cells:
         medians = [duration(rows[name].median_us) if name in rows else "-" for name in names]
         versus = [f"{compiled.median_us / rows[name].median_us:.2f}x" + "*" * (rows[name].noisy or compiled.noisy)
                   if name in rows and compiled else "-" for name in ours]
-        choice = next((rows[name].choice for name in ours if name in rows), "")
+        choices = [rows[name].choice for name in ours if name in rows]
+        choice = next((c for c in choices if "chosen)" in c), choices[0] if choices else "")
         table.rows.append([model, case.case, *medians, *versus, choice])
         table.mismatched.append(not all(row.outputs_equal for row in case.rows))
     return table
