@@ -32,7 +32,7 @@ from ._compat.names import RECOMPILE_LIMIT
 from .backend_cache import BackendCache, GraphSpec, NotStorable, device_type
 from .config import AUTO_LEVEL, GraphOptimizationConfig, with_mode
 from .config_checks import WEIGHT_COPYING_INDUCTOR_OPTIONS
-from .inductor_options import inductor_options
+from .inductor_options import RECOMPILE_OPTIONS, inductor_options
 from .lowering import lower_to_bindings
 from .passes.manager import PassManager, check_pass_names
 from .repack import Repackable
@@ -278,10 +278,9 @@ class Backend:
         # Code from Inductor's cache holds its own copies of frozen weights, as do some options' code.
         renews = not optimized or any(options.get(k) for k in WEIGHT_COPYING_INDUCTOR_OPTIONS)
         if self.config.freeze_parameters and renews:
-            # Without Inductor's caches a second compile takes its copies of the weights anew.
             inputs = list(example_inputs)
-            again = functools.partial(_compat.inductor_compile, gm, inputs, post_grad_pass,
-                                      passes, {**options, "force_disable_caches": True})
+            again = functools.partial(_compat.inductor_compile, gm, inputs, post_grad_pass, passes,
+                                      {**options, **RECOMPILE_OPTIONS})
             compiled = Repackable(compiled, again, optimized, self.graph_modules, self._report,
                                   held=[inputs, real_inputs])
             self.repackables.append(compiled)

@@ -34,3 +34,9 @@ def inductor_options(device_type: str, cached: bool, frozen: bool = False) -> di
         # graphopt's GraphRunner owns device graphs; Inductor's own would nest inside it.
         options["triton.cudagraphs"] = False
     return options
+
+
+# refresh()'s second compile of a frozen graph: without Inductor's caches, so that it takes
+# its copies of the weights anew; outside Dynamo's trace its sizes have no hints, which the
+# benchmark harness (debugging code appended to every module) asks for on torch 2.11.
+RECOMPILE_OPTIONS = {"force_disable_caches": True, "benchmark_harness": False}
