@@ -142,7 +142,8 @@ class Backend:
         runtime, spec = self._compile_runtime(gm, example_inputs)
         if self.config.executors and self._level(device_type(example_inputs)):  # an engine may run it instead
             runtime = executors.choose(gm, example_inputs, runtime, self.config, self._report, self.repackables)
-        return frozen_watch.watched(runtime, gm, example_inputs, self, self._level(device_type(example_inputs))), spec
+        level, inference = self._level(device_type(example_inputs)), not records_autograd(example_inputs)
+        return frozen_watch.watched(runtime, gm, example_inputs, self, level, inference), spec
 
     def _compile_runtime(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Callable, Any]:
         self.compiled_dynamic |= any(isinstance(x, torch.SymInt) for x in example_inputs)

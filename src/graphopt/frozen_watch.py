@@ -72,9 +72,11 @@ class FrozenWatch:
         return result
 
     def _changed(self, inputs: Sequence[Any]) -> None:
-        moved = {id(t): inputs[i] for i, t in zip(self.positions, self.tensors) if inputs[i] is not t}
+        described = zip(self.names, self.positions, self.tensors)
+        replaced = [(n, t, inputs[i]) for n, i, t in described if inputs[i] is not t]
+        moved = {id(old): new for _, old, new in replaced}
+        reassigned = [n for n, _, _ in replaced]
         written = [n for n, t, v in zip(self.names, self.tensors, self.versions) if t._version != v]
-        reassigned = [n for n, i, t in zip(self.names, self.positions, self.tensors) if inputs[i] is not t]
         if not moved and not written:
             self.assignments = _assignments[0]
             return
@@ -84,13 +86,15 @@ class FrozenWatch:
 
 
 def watched(runtime: Callable, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], backend: Any,
-            level: int | str) -> Callable:
+            level: int | str, inference: bool) -> Callable:
     """`runtime` of `gm` (compiled at `level`), behind a FrozenWatch where the Backend freezes
-    weights (added to its `frozen_watches`); else as it is, with a note where it could have."""
+    weights (added to its `frozen_watches`); else as it is, with a note where it could have
+    (`inference`: the graph records no autograd history)."""
     if level == 0:
         return runtime
     if not backend.config.freeze_parameters:
-        note_unfrozen(gm, example_inputs, backend.report())
+        if inference:
+            note_unfrozen(gm, example_inputs, backend.report())
         return runtime
     frozen = watch(runtime, gm, example_inputs, backend)
     backend.frozen_watches.append(frozen)
@@ -116,12 +120,10 @@ UNFROZEN = ("freeze_parameters=False: a graph ran in inference (no grad) with it
 
 
 def note_unfrozen(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], report: Any) -> None:
-    """Say once (a note) that a graph could have run on frozen weights: it takes some, and
-    records no autograd history."""
-    weights = [x for x, kind in zip(example_inputs, _compat.input_kinds(gm))
-               if kind != "input" and isinstance(x, torch.Tensor)]
-    if UNFROZEN not in report.notes and weights and not (
-            torch.is_grad_enabled() and any(x.requires_grad for x in example_inputs if isinstance(x, torch.Tensor))):
+    """Say once (a note) that a graph run in inference could have run on frozen weights: it takes some."""
+    takes_weights = any(kind != "input" and isinstance(x, torch.Tensor)
+                        for x, kind in zip(example_inputs, _compat.input_kinds(gm)))
+    if takes_weights and UNFROZEN not in report.notes:
         report.notes.append(UNFROZEN)
 
 

@@ -172,7 +172,6 @@ class Report:
     graphs: list[GraphRecord] = field(default_factory=list)
     passes: list[PassRecord] = field(default_factory=list)
     fallbacks: Counter = field(default_factory=Counter)               # reason -> count
-    fallback_counts: Counter = field(default_factory=Counter)         # FallbackKind -> count
     fallback_kinds: dict[str, FallbackKind] = field(default_factory=dict)  # reason -> its kind
     capture_sizes: list[int] = field(default_factory=list)
     captures: list[CaptureRecord] = field(default_factory=list)
@@ -215,8 +214,15 @@ class Report:
             if reason not in self.fallbacks:
                 log.warning("graphopt fallback (%s): %s", kind.value, reason)
             self.fallbacks[reason] += 1
-            self.fallback_counts[kind] += 1
             self.fallback_kinds[reason] = kind
+
+    @property
+    def fallback_counts(self) -> Counter:
+        """FallbackKind -> how many fallbacks of that kind were counted."""
+        counts: Counter = Counter()
+        for reason, n in self.fallbacks.items():
+            counts[self.fallback_kinds[reason]] += n
+        return counts
 
     def fallbacks_since(self, before: Counter) -> list[tuple[FallbackKind, str, int]]:
         """(kind, reason, count) of the fallbacks counted since `before`, a copy of `fallbacks`."""
