@@ -4,15 +4,16 @@
 # machines carry on disk. GRAPHOPT_TORCH=newest uses .venv-newest, without the pin,
 # and upgrades torch to the newest release pip resolves. GRAPHOPT_TORCH=oldest uses
 # .venv-oldest with the oldest torch the package accepts (2.11.0, a CUDA build that
-# runs on the CPU, as on the project's GPU machine).
+# runs on the CPU, as on the project's GPU machine). Both are CUDA builds of several GB,
+# downloaded: pip keeps no second copy of them in its cache.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 extras="${1:-}"
 pip=(--quiet --disable-pip-version-check)
 case "${GRAPHOPT_TORCH:-pinned}" in
     pinned) venv=.venv; pin=(-c constraints.txt) ;;
-    newest) venv=.venv-newest; pin=() ;;
-    oldest) venv=.venv-oldest; pin=(torch==2.11.0) ;;
+    newest) venv=.venv-newest; pin=(); pip+=(--no-cache-dir) ;;
+    oldest) venv=.venv-oldest; pin=(torch==2.11.0); pip+=(--no-cache-dir) ;;
     *) echo "GRAPHOPT_TORCH=${GRAPHOPT_TORCH}: expected 'pinned', 'newest' or 'oldest'" >&2; exit 2 ;;
 esac
 if [ ! -x "$venv/bin/python" ]; then

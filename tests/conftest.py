@@ -18,7 +18,63 @@ from graphopt.models import Decoder, DecoderConfig
 os.environ["GRAPHOPT_CACHE_DIR"] = ""
 
 
+# What CI also runs on the newest and the oldest torch (`-m version_sensitive`): a test
+# (or, for a file, all of it) for each part of torch graphopt reaches through `_compat/`,
+# the cheapest that exercises it. A name here that no longer matches a test is an error.
+VERSION_SENSITIVE = (
+    # Dynamo's dynamic batch (torch 2.11 specialised a batch 2.13 kept symbolic), the
+    # runner's guards and rebinding, a level-2 graph without device graphs
+    "tests/test_api.py::test_one_graph_serves_every_batch_size",
+    "tests/test_api.py::test_decode_steps_match_eager_logits_and_caches",
+    "tests/test_api.py::test_kv_cache_is_written_in_place_inside_the_graph",
+    "tests/test_api.py::test_in_place_weight_updates_are_seen",
+    "tests/runtime/test_runner.py::test_padding_goes_to_the_capture_size_and_the_scratch_slot",
+    "tests/runtime/test_runner.py::test_moved_cache_and_new_parameters_give_fresh_results",
+    "tests/runtime/test_runner.py::test_level_2_on_cpu_runs_inductor_kernels_without_device_graphs",
+    "tests/test_guards.py",
+    # Dynamo's stored traces (torch 2.14 moved the precompile API)
+    "tests/test_traces.py::test_second_start_runs_the_stored_trace",
+    "tests/test_traces.py::test_other_inputs_are_traced_again_and_stored_beside",
+    "tests/test_traces.py::test_forward_hooks_keep_running",
+    "tests/test_traces.py::test_a_trace_stored_in_inference_mode_is_not_used_outside_it",
+    "tests/test_traces.py::test_guard_sources_are_read_by_a_walker_never_evaluated",
+    "tests/test_traces.py::test_a_stored_guard_graphopt_cannot_read_refuses_the_trace",
+    "tests/test_traces.py::test_a_guard_torch_cannot_store_leaves_the_step_to_dynamo",
+    # AOTAutograd and Inductor through the compile cache
+    "tests/test_cache.py::test_second_start_loads_the_graph_and_its_report",
+    "tests/test_cache.py::test_level_1_hit_skips_aot_autograd_and_the_passes",
+    "tests/test_cache.py::test_hit_with_host_graphs",
+    "tests/test_cache.py::test_level_2_hit_keeps_the_report",
+    "tests/test_cache.py::test_a_changed_config_or_version_is_a_miss",
+    # the Backend's hold on Dynamo: its name, its recompile budget, Dynamo giving up
+    "tests/test_backend.py::test_torch_compile_with_backend_name",
+    "tests/test_backend.py::test_dynamo_giving_up_is_counted",
+    "tests/test_backend.py::test_a_backend_gives_its_recompile_budget_back_when_it_goes",
+    "tests/test_registry.py",
+    # level 2: Inductor's post-grad pass, its options, frozen weights and refresh's recompile
+    "tests/passes/test_pipeline.py::test_level_2_folds_and_refreshes_inside_inductor",
+    "tests/passes/test_pipeline.py::test_level_2_takes_inductor_options_and_refresh_repacks_packed_weights",
+    "tests/test_frozen_changes.py::test_level_2_reassigned_weight",
+    "tests/test_frozen_changes.py::test_a_module_built_inside_a_compiled_forward_does_not_recompile_it",
+    # level 2's code generated in a child process (Inductor's subprocess compile)
+    "tests/test_tiers.py::test_auto_compiles_level_2_in_a_child_process_with_graphopts_passes_and_swaps_it_in",
+    # the ATen graphs the canonical forms and fusions match, and level 1's bindings
+    "tests/passes/fusion/test_attention.py",
+    "tests/test_lowering.py",
+    # transformers' generate() traced by Dynamo
+    "tests/test_hf_generate.py::test_llama_generate_through_each_way_in",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    collected = {item.nodeid.split("::")[0] for item in items}
+    unmatched = [name for name in VERSION_SENSITIVE if not (config.rootpath / name.split("::")[0]).exists()
+                 or name.split("::")[0] in collected and not any(item.nodeid.startswith(name) for item in items)]
+    if unmatched:
+        raise pytest.UsageError(f"VERSION_SENSITIVE in {__file__} names no test: {unmatched}")
+    for item in items:
+        if any(item.nodeid == name or item.nodeid.startswith((name + "::", name + "[")) for name in VERSION_SENSITIVE):
+            item.add_marker(pytest.mark.version_sensitive)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

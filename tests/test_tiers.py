@@ -5,6 +5,7 @@ import torch
 
 import graphopt
 from graphopt import FallbackKind, tiers
+from graphopt._compat import background
 from graphopt.config import tolerance
 from graphopt.report import Report
 
@@ -251,7 +252,32 @@ def test_auto_compiles_level_2_in_a_child_process_with_graphopts_passes_and_swap
     assert choice["level"] in (1, 2) and set(choice["seconds"]) == {"1", "2"}
     level2 = report.graphs[1]  # the pass ran in this process, on the graph the child compiled
     assert level2.fused_ops.get("scaled_dot_product_attention") == 1, str(report)
-    assert list(report.fallbacks) == []
+    # torch 2.11 cannot pickle the fused graph for the child: it is compiled here instead.
+    assert set(report.fallback_counts) <= {FallbackKind.IN_FOREGROUND}, report.fallbacks
+
+
+def test_a_graph_a_child_cannot_take_is_compiled_at_once_and_says_why(monkeypatch):
+    from torch._inductor import config as inductor_config
+
+    def unpicklable(gm, *args):
+        inductor_config.post_grad_custom_post_pass(gm.graph)  # as the real one does before pickling
+        raise background.NotSerializable("Inductor could not pickle the graph")
+
+    monkeypatch.setattr(background, "_start", unpicklable)
+    torch.manual_seed(0)
+    model, x = Attention().eval(), torch.randn(2, 16, 32)
+    atol, rtol = tolerance(torch.float32)
+    with torch.no_grad():
+        expected = model(x)
+        optimized = graphopt.optimize(model, graphopt.GraphOptimizationConfig(graph_opt_level="auto", cache_dir=None))
+        for _ in range(2):
+            torch.testing.assert_close(optimized(x), expected, atol=atol, rtol=rtol)
+    report = optimized.report()
+    [choice] = report.level_choices  # made at the first call: nothing to wait for
+    assert set(choice["seconds"]) == {"1", "2"}
+    assert report.graphs[1].fused_ops.get("scaled_dot_product_attention") == 1, str(report)
+    [why] = report.reasons(FallbackKind.IN_FOREGROUND)
+    assert "not in a child process (Inductor could not pickle the graph)" in why
 
 
 def test_a_child_compile_that_fails_leaves_level_1_serving_and_says_why_end_to_end():

@@ -22,6 +22,7 @@ class FallbackKind(enum.Enum):
     EXACT_SIZE = "exact_size"              # batches are captured at their exact size, not padded
     SLOW_REPLAY = "slow_replay"            # a host graph replays from Python, not from C++
     LEVEL = "level"                        # a graph runs at another graph_opt_level than the one asked
+    IN_FOREGROUND = "in_foreground"        # "auto": level 2 compiled during the first call, not in a child
     EAGER = "eager"                        # Dynamo gave up and runs a frame eagerly
     GUARDS = "guards"                      # the guards setting is not applied: Dynamo checks every guard
     PASS_UNDONE = "pass_undone"            # a pass broke the graph and was undone for it

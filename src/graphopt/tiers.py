@@ -146,6 +146,9 @@ def choose(compile_at: Callable[[int], Callable], eager: Callable, stateful: lis
                 stack.enter_context(in_background())
                 stack.enter_context(background.in_child(pending))
             runtimes[2] = compile_at(2)
+        for why in pending.in_foreground if pending is not None else ():
+            report.fallback(FallbackKind.IN_FOREGROUND, f"graph_opt_level='auto': level 2 of graph {record['graph']} "
+                            f"compiled during its first call, not in a child process ({why})")
     except Exception as error:  # noqa: BLE001 - Inductor failing on a graph must not fail the model
         why = f"level 2 failed to compile ({type(error).__name__}: {first_line(error)[:200]})"
         report.fallback(FallbackKind.LEVEL, f"graph_opt_level='auto': {why}; level 1 serves graph {record['graph']}")

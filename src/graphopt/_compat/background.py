@@ -36,10 +36,11 @@ class UnguardedAssumption(RuntimeError):
 
 class BackgroundCompile:
     """The futures of the child compiles one `compile_fx` started (one per graph AOTAutograd
-    compiles: the forward in inference)."""
+    compiles: the forward in inference), and why any was compiled here instead."""
 
     def __init__(self) -> None:
         self.futures: list[Future] = []
+        self.in_foreground: list[str] = []
 
     def ready(self) -> bool:
         """Whether every child compile has finished (or failed: `error()` says)."""
@@ -72,7 +73,15 @@ def in_child(started: BackgroundCompile) -> Iterator[None]:
 
     def codegen(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inputs_to_check: Sequence[int],
                 compile_region_name: str | None = None, **graph_kwargs: Any) -> Any:
-        return _start(gm, example_inputs, inputs_to_check, graph_kwargs, started)
+        try:
+            return _start(gm, example_inputs, inputs_to_check, graph_kwargs, started)
+        except NotSerializable as error:
+            # Level 2 late is better than none: generate the code here, now. graphopt's
+            # pass has already run on the graph. (torch 2.13 added compile_region_name.)
+            started.in_foreground.append(str(error))
+            region = {} if compile_region_name is None else {"compile_region_name": compile_region_name}
+            with torch._inductor.config.patch(post_grad_custom_post_pass=None):
+                return saved(gm, example_inputs, inputs_to_check, **region, **graph_kwargs)
 
     saved = inductor.fx_codegen_and_compile
     inductor.fx_codegen_and_compile = codegen

@@ -146,6 +146,14 @@ def batched_3d(q, k, v):
     return torch.bmm(torch.softmax(torch.bmm(q, k.transpose(1, 2)) * 0.25, dim=-1), v)
 
 
+def scaled_past_the_max(q, k, v):
+    """softmax(q·kᵀ·s) as Inductor's joint-graph pass leaves it on torch 2.11: the
+    scale moved past the max, exp((x - max x)·s) / Σ."""
+    scores = q @ k.transpose(-2, -1)
+    e = ((scores - scores.amax(-1, keepdim=True)) * D**-0.5).exp()
+    return merge_heads((e / e.sum(-1, keepdim=True)) @ v)
+
+
 CAUSAL = torch.ones(1, 1, 16, 16).tril()
 KEEP = torch.rand(B, 1, L, L, generator=torch.Generator().manual_seed(1)) > 0.3
 KEEP[..., 0] = True  # every query row keeps a key: all-masked rows differ by design
@@ -157,7 +165,8 @@ KEEP[..., 0] = True  # every query row keeps a key: all-masked rows differ by de
     (divided_where_finfo_min, (KEEP,), 8, False),  # finfo.min -> an additive mask (logical_not, cast, mul)
     (prescaled_q_no_mask, (), 5, False),
     (repeat_interleaved, (), 5, True),
-], ids=["nanogpt", "where_finfo_min", "prescaled_q", "repeat_interleave"])
+    (scaled_past_the_max, (), 5, False),
+], ids=["nanogpt", "where_finfo_min", "prescaled_q", "repeat_interleave", "scaled_past_the_max"])
 def test_hand_written_forms(fn, extra, left, gqa, dtype):
     q, k, v = qkv(dtype, KV if gqa else H)
     sdpa = check(fn, (q, k, v, *extra), left)
@@ -290,6 +299,13 @@ def finite_fill(q, k, v, keep):
     return F.softmax((q @ k.transpose(-2, -1) * 0.25).masked_fill(~keep, -1e9), dim=-1) @ v
 
 
+def mask_added_before_a_scale_past_the_max(q, k, v, mask):
+    """exp((x + mask - max)·s): the scale would reach the mask too, which SDPA's does not."""
+    scores = q @ k.transpose(-2, -1) + mask
+    e = ((scores - scores.amax(-1, keepdim=True)) * 0.25).exp()
+    return (e / e.sum(-1, keepdim=True)) @ v
+
+
 def weights_returned(q, k, v):
     probs = F.softmax(q @ k.transpose(-2, -1) * 0.25, dim=-1)
     return probs @ v, probs
@@ -309,7 +325,8 @@ def float32_mask_on_bfloat16(q, k, v, mask):
     (scaled_after_the_mask, (additive_mask(torch.float32),)),
     (finite_fill, (KEEP,)),
     (weights_returned, ()),
-], ids=["softmax_dim", "multiplied_mask", "scale_after_mask", "fill_-1e9", "weights_returned"])
+    (mask_added_before_a_scale_past_the_max, (additive_mask(torch.float32),)),
+], ids=["softmax_dim", "multiplied_mask", "scale_after_mask", "fill_-1e9", "weights_returned", "mask_scaled"])
 def test_left_alone(fn, extra):
     unchanged(fn, *qkv(torch.float32), *extra)
 

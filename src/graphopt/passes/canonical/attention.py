@@ -13,7 +13,8 @@ import torch.fx
 
 from ... import _compat
 from ..base import PassResult, value_of
-from ..fusion.attention import score_stages, softmax_input
+from ..fusion.attention import score_stages
+from ..fusion.softmax import softmax_input
 from .emit import Emitter
 
 aten = torch.ops.aten
@@ -83,7 +84,7 @@ def _site(gm: torch.fx.GraphModule, node: torch.fx.Node) -> _Site | None:
     if walked is None:
         return None
     stages, bmm, extra, top = walked
-    scale, mask = 1.0, None
+    scale, mask = softmax[2], None
     for _, kind, value in [*extra, *reversed(stages)]:  # in the order the code computes them
         if kind == "scale" and mask is None:
             scale *= value
@@ -91,6 +92,8 @@ def _site(gm: torch.fx.GraphModule, node: torch.fx.Node) -> _Site | None:
             mask = (value[0], kind, value[1])
         else:
             return None
+    if softmax[2] != 1.0 and mask is not None and mask[1] == "add":  # the temperature would scale it too
+        return None
     rank, (left, right) = value_of(softmax[0]).dim(), bmm.args[-2:]  # baddbmm's bias comes first
     q, k = _query(left), _kv(right, True)
     consumer = _consumer(node, rank)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +16,7 @@ from ..._compat import patterns
 from ..base import PassResult, value_of
 from ..strides import restrided, same_strides, set_values
 from . import FUSED_ATEN_OPS, gates
+from .softmax import softmax_input
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -100,7 +100,7 @@ def match(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Found | None:
     if walked is None:
         return None
     stages, (q, kt, internal) = walked
-    scale, mask, mask_kind, fill, cast = 1.0, None, "", -math.inf, None
+    scale, mask, mask_kind, fill, cast = softmax[2], None, "", -math.inf, None
     for stage, kind, value in reversed(stages):  # in the order the code computes them
         if kind == "scale" and mask is None:  # SDPA scales before it masks
             scale *= value
@@ -112,6 +112,8 @@ def match(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Found | None:
                 mask, mask_kind = mask.args[0], "keep"  # `~keep` only says what to drop
         else:
             return None
+    if softmax[2] != 1.0 and mask_kind == "add":  # the temperature would scale the added mask too
+        return None
     internal |= softmax[1] | {stage for stage, _, _ in stages}
     probs = node
     if len(probs.users) == 1 and next(iter(probs.users)).target in _CASTS:
@@ -128,34 +130,6 @@ def match(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Found | None:
                   internal | consumer_nodes | {probs})
     found.gqa = _repeated_pair(found)
     return found if _valid(found, cast) else None
-
-
-def _last_dim(x: Any, dims: Any) -> bool:
-    dims, val = dims if isinstance(dims, (list, tuple)) else [dims], value_of(x)
-    return val is not None and len(dims) == 1 and dims[0] in (-1, val.dim() - 1)
-
-
-def softmax_input(node: torch.fx.Node) -> tuple[torch.fx.Node, set] | None:
-    """(input, the softmax's nodes but the last) when `node` is a softmax over the
-    last dim: `_softmax`, Inductor's amax/sub/exp/sum/div decomposition, or the form
-    its CUDA post-grad pass leaves (max and sum from one `prepare_softmax_online`)."""
-    if node.target is aten._softmax.default:
-        return (node.args[0], set()) if _last_dim(node.args[0], node.args[1]) else None
-    if node.target is not aten.div.Tensor or not all(isinstance(a, torch.fx.Node) for a in node.args):
-        return None
-    exp, total = node.args
-    if exp.target is not aten.exp.default or exp.args[0].target is not aten.sub.Tensor \
-            or not isinstance(exp.args[0].args[1], torch.fx.Node):
-        return None
-    x, amax = exp.args[0].args
-    if total.target is aten.sum.dim_IntList and total.args[0] is exp and amax.target is aten.amax.default \
-            and amax.args[0] is x and _last_dim(x, amax.args[1]) and _last_dim(x, total.args[1]):
-        return x, {exp, total, exp.args[0], amax}
-    online = amax.args[0] if amax.target is operator.getitem and total.target is operator.getitem else None
-    if online is not None and online.target is patterns.online_softmax_op() and online.args[0] is x \
-            and _last_dim(x, online.args[1]) and (amax.args, total.args) == ((online, 0), (online, 1)):
-        return x, {exp, total, exp.args[0], amax, online}
-    return None
 
 
 def _scores(gm: torch.fx.GraphModule, x: Any, budget: int):
