@@ -443,3 +443,36 @@ def test_isolated_contenders_each_run_in_their_own_process_and_merge_into_one_ta
         assert all(row.outputs_equal and row.vs_eager > 0 for row in rows.values())
     with pytest.raises(RuntimeError, match="no process reported .*its process failed: KeyError"):
         run_isolated(Options(["no-such-workload"], ["eager", "L0"], quick=True, rounds=1, startup=False))
+
+
+def test_a_lowered_contender_is_judged_by_its_error_against_eager():
+    eager = (torch.tensor([[1.0, -4.0], [2.0, 0.5]]), torch.tensor([3, 1]))
+    close = (eager[0] + torch.tensor([[0.0, 0.1], [0.0, 0.0]]), eager[1].clone())
+    assert measure.lowered_error(close, eager, 0.05) == (True, pytest.approx(0.1), pytest.approx(0.1 / 4))
+    assert measure.lowered_error(close, eager, 0.01)[0] is False  # 2.5% of the largest |output|
+    other_tokens = (close[0], torch.tensor([3, 2]))
+    assert measure.lowered_error(other_tokens, eager, 0.05)[0] is False
+    assert measure.lowered_error((eager[0][:1], eager[1]), eager, 0.05) == (False, math.inf, math.inf)
+
+
+def test_the_error_column_appears_only_beside_lowered_contenders():
+    def case(*rows):
+        result = CaseResult("decode step, batch 1", "tokens", 1, rows=list(rows))
+        fill_ratios(result)
+        return result
+
+    eager = Row("eager", True, [2.0], True, 0.0)
+    int8 = Row("graphopt L1 int8 weights", False, [1.0], True, 0.0123, relative_error=0.0125)
+    table = output.result_cells([case(eager, int8)])
+    assert dict(zip(table.headers, table.rows[1]))["error vs eager"] == "0.012 (1.2%)"
+    plain = Row("graphopt L1", False, [1.0], True, 0.0)
+    assert "error vs eager" not in output.result_cells([case(eager, plain)]).headers
+
+
+def test_int8_weights_run_in_the_bench_with_their_error_beside_the_speed(tmp_path):
+    code = main(["bench", "--quick", "--workloads", "bert", "--contenders", "eager,L1+int8", "--threads", "1",
+                 "--rounds", "1", "--no-startup", "--no-isolate", "--out", str(tmp_path)])
+    rows = [row for case in json.loads((tmp_path / "bench.json").read_text())["workloads"]["bert"]["cases"]
+            for row in case["rows"] if row["contender"] == "graphopt L1 int8 weights"]
+    assert code == 0 and rows
+    assert all(row["outputs_equal"] and 0 < row["relative_error"] <= 0.05 for row in rows), rows

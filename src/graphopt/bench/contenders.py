@@ -42,6 +42,14 @@ class Contender:
     auto_sizes: bool = False  # cudagraph_capture_sizes="auto": capture sizes chosen from the traffic
     trusted: bool = False     # guards="inputs": only the guards on the step's arguments are checked
     defaults: bool = False    # optimize(model) with no config: what a user gets without options
+    compute_dtype: str | None = None        # lower-precision math (frozen weights converted once)
+    weight_quantization: str | None = None  # weight-only quantized linears (frozen weights)
+
+    @property
+    def lowered(self) -> bool:
+        """Whether it computes in less than the model's precision: its outputs are judged by
+        their error against eager's, not by eager's rounding."""
+        return self.compute_dtype is not None or self.weight_quantization is not None
 
     @property
     def competitor(self) -> bool:
@@ -57,7 +65,7 @@ TUNED = {"cpu": {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 # Left out of a run unless named (the zoo runs them by default): they would lengthen
 # every workload's run and table.
-OPT_IN = ("compile-max", "default", "auto")
+OPT_IN = ("compile-max", "default", "auto", "L1+int8", "L2+bf16")
 # The fallbacks that change how a step's device graphs run, which `describe` lists below the table.
 DEVICE_GRAPH_KINDS = (FallbackKind.NO_DEVICE_GRAPH, FallbackKind.CAPTURE_REFUSED, FallbackKind.EXACT_SIZE,
                       FallbackKind.SLOW_REPLAY)
@@ -93,6 +101,11 @@ def contenders(device: str) -> list[Contender]:
                            frozen=True, engines=True, trusted=True))
     # Level 2's defaults with freeze_parameters: the GEMMs on packed weights where they win.
     found.append(Contender("L2+frozen", "graphopt L2 frozen", "graphopt", 2, frozen=True))
+    # Fewer bytes or cheaper math, where the user accepts the error the table shows beside them.
+    found.append(Contender("L1+int8", "graphopt L1 int8 weights", "graphopt", 1, frozen=True,
+                           weight_quantization="int8"))
+    found.append(Contender("L2+bf16", "graphopt L2 bfloat16 math", "graphopt", 2, frozen=True,
+                           compute_dtype="bfloat16"))
     if cuda:  # frozen weights let Q/K/V and gate/up run as one GEMM each: what pays on a GPU
         found.append(Contender("L2+frozen+graphs", f"graphopt L2 frozen + {graphs}", "graphopt", 2, True,
                                frozen=True))
@@ -124,6 +137,8 @@ def build(contender: Contender, workload: Workload, device: str) -> Step:
             extra["executors"] = [e for e in EXECUTORS if importlib.util.find_spec(e) is not None]
         if contender.trusted:
             extra["guards"] = "inputs"
+        if contender.lowered:
+            extra.update(compute_dtype=contender.compute_dtype, weight_quantization=contender.weight_quantization)
         sizes = "auto" if contender.auto_sizes else workload.capture_sizes
         config = GraphOptimizationConfig(graph_opt_level=contender.level, use_cudagraph=contender.device_graphs,
                                          cudagraph_capture_sizes=sizes, **extra)

@@ -69,6 +69,7 @@ class Row:
     vs_floor: float | None = None             # this time / the GEMM floor: >= 1, 1 is the floor
     graphs: GraphFigures | None = None        # graphopt with device graphs: what they did
     choice: str = ""                          # graphopt: its level and each graph's fused ops (zoo.chosen)
+    relative_error: float | None = None       # lowered precision: max |diff| / max |eager's output|
 
     @property
     def median_us(self) -> float:
@@ -146,6 +147,28 @@ def compare(output: Any, reference: Any, truth: Any = None) -> tuple[bool, float
         atol, rtol = output_tolerance(b.dtype)
         equal &= torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
     return bool(equal), worst
+
+
+def lowered_error(output: Any, reference: Any, bound: float) -> tuple[bool, float, float]:
+    """(within `bound`, largest absolute difference, that difference as a fraction of the
+    reference's largest magnitude) for a contender that computes in lower precision: it is
+    judged as `precision_tolerance` judges a graph, not by eager's rounding."""
+    ours, theirs = tree_leaves(output), tree_leaves(reference)
+    if len(ours) != len(theirs):
+        return False, float("inf"), float("inf")
+    equal, worst, scale = True, 0.0, 0.0
+    for a, b in zip(ours, theirs):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            equal &= a == b
+        elif a.shape != b.shape:
+            return False, float("inf"), float("inf")
+        elif not b.is_floating_point():  # token ids: lower precision may pick others
+            equal &= torch.equal(a.to(b.device), b)
+        elif b.numel():
+            worst = max(worst, (a.to(b.device).double() - b.double()).abs().max().item())
+            scale = max(scale, b.double().abs().max().item())
+    relative = worst / scale if scale else (0.0 if worst == 0 else float("inf"))
+    return bool(equal) and relative <= bound, worst, relative
 
 
 def fill_ratios(result: CaseResult) -> None:

@@ -66,8 +66,10 @@ def result_cells(results: list[CaseResult], wide: bool = False) -> Cells:
     floor's row where a case has one (its column only then). By default the columns a
     terminal needs; `wide` adds best time, throughput, warm-up and the output check."""
     floors = any(r.floor_us for r in results)
+    lowered = any(row.relative_error is not None for r in results for row in r.rows)
     headers = ["case", "contender", "median"] + (["best", "throughput"] if wide else [])
     headers += ["vs eager", "vs best competitor"] + (["vs GEMM floor"] if floors else [])
+    headers += ["error vs eager"] if lowered else []
     headers += (["warm-up", "outputs = eager"] if wide else []) + ["note"]
     table = Cells(headers)
     for result in results:
@@ -81,6 +83,7 @@ def result_cells(results: list[CaseResult], wide: bool = False) -> Cells:
                      "vs best competitor": "(best)" if row.contender == result.best_competitor
                      else ratio(row.vs_competitor, row, best),
                      "warm-up": f"{row.warmup_s:.1f} s", "outputs = eager": equality(row),
+                     "error vs eager": lowered_error_cell(row),
                      "note": note(row, table, wide)}
             table.rows.append([cells[header] for header in headers])
             table.mismatched.append(not row.outputs_equal)
@@ -99,6 +102,14 @@ def note(row: Row, table: Cells, wide: bool) -> str:
     parts += [f"noisy: rounds ±{row.spread:.0%}"] if row.noisy else []
     parts += [row.note] if row.note else []
     return " ".join(parts + [table.refer(row.reasons)]).strip()
+
+
+def lowered_error_cell(row: Row) -> str:
+    """A lower-precision row's error: its largest difference from eager's output, and that
+    as a fraction of the output's largest magnitude (what precision_tolerance bounds)."""
+    if row.relative_error is None:
+        return ""
+    return f"{row.max_diff:.2g} ({row.relative_error:.1%})"
 
 
 def equality(row: Row) -> str:
@@ -221,6 +232,7 @@ def to_json(setup: dict[str, Any], workloads: dict[str, dict[str, Any]]) -> str:
                           "vs_eager": r.vs_eager, "vs_best_competitor": r.vs_competitor,
                           "vs_floor": r.vs_floor, "spread": round(r.spread, 4), "noisy": r.noisy,
                           "outputs_equal": r.outputs_equal, "max_abs_diff": r.max_diff,
+                          "relative_error": r.relative_error,
                           "note": r.note, "reasons": r.reasons, "warmup_s": r.warmup_s, "choice": r.choice,
                           "graphs": None if r.graphs is None else {**asdict(r.graphs), "replayed_share":
                                                                     r.graphs.replayed_share}}
@@ -325,7 +337,9 @@ def present(results: list[WorkloadResult], setup: dict[str, Any], out: Path, as_
 def tolerance_text(setup: dict[str, Any]) -> str:
     (atol, rtol), = setup["tolerance"].values()
     return (f"outputs within atol/rtol {atol:g}/{rtol:g} of eager's; half precision: no further from a "
-            f"float32 run than {setup.get('half_error_factor', 2):g}x eager's own output")
+            f"float32 run than {setup.get('half_error_factor', 2):g}x eager's own output; lowered precision "
+            f"(int8 weights, bfloat16 math): error vs eager = largest |difference| (as a share of the largest "
+            f"|output|), within {setup.get('lowered_bound', 0.05):g} of it")
 
 
 MEASURED_START = "<!-- graphopt bench: start -->"

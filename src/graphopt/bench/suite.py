@@ -16,6 +16,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ..config import GraphOptimizationConfig
 from ..report import first_line
 from .contenders import (
     Contender,
@@ -37,6 +38,7 @@ from .measure import (
     fill_ratios,
     gemm_floor,
     interleaved_rounds,
+    lowered_error,
     output_tolerance,
     warm_up,
 )
@@ -44,6 +46,10 @@ from .profile import profile_case
 from .startup import measure_startup
 from .workloads import Case, Sizes, Step
 from .zoo import ZooUnavailable, chosen, factory
+
+# A lower-precision contender's outputs pass when their error is within the bound graphopt
+# holds its own lowered graphs to by default (precision_tolerance).
+LOWERED_BOUND = GraphOptimizationConfig().precision_tolerance
 
 # A device graph is captured after graphopt's default 2 warm-up calls, so the 4th
 # call of a case is a replay: that is the output checked against eager's.
@@ -156,11 +162,15 @@ def _case(case: Case, steps: dict[str, Step], kinds: dict[str, Contender], optio
     result = CaseResult(case.name, case.unit, case.items, floor_us=floor_us, floor_how=floor_how,
                         graph_table=case.graph_table)
     for name, step in steps.items():
-        equal, diff = (True, 0.0) if name == EAGER else compare(outputs[name], outputs[EAGER], truth)
+        relative = None
+        if kinds[name].lowered:
+            equal, diff, relative = lowered_error(outputs[name], outputs[EAGER], LOWERED_BOUND)
+        else:
+            equal, diff = (True, 0.0) if name == EAGER else compare(outputs[name], outputs[EAGER], truth)
         note, reasons = describe(step, kinds[name])
         choice = chosen(report_of(step)) if kinds[name].kind == "graphopt" else ""
         result.rows.append(Row(name, kinds[name].competitor, times[name], equal, diff, note, reasons,
-                               warmup_s[name], graphs=graphs[name], choice=choice))
+                               warmup_s[name], graphs=graphs[name], choice=choice, relative_error=relative))
     fill_ratios(result)
     if options.profile:
         tick("profiling by op class")
@@ -186,7 +196,7 @@ def setup(options: Options) -> dict[str, Any]:
         "quick": options.quick, "rounds": options.rounds, "warmups": WARMUPS, "python": platform.python_version(),
         "torch": torch.__version__, "workloads": options.workloads, "contenders": options.contenders,
         "tolerance": {str(torch.float32): output_tolerance(torch.float32)},
-        "half_error_factor": HALF_ERROR_FACTOR,
+        "half_error_factor": HALF_ERROR_FACTOR, "lowered_bound": LOWERED_BOUND,
         "statistic": "median of rounds (best also given); ratios of medians",
     }
     for package in ("transformers", "onnxruntime", "onnx", "openvino"):
