@@ -12,8 +12,8 @@ from support import assert_gradients_match, unexpected_fallbacks
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graphopt import FallbackKind
+from graphopt.runtime.analysis.safety import CaptureError, CaptureGuard, CaptureProblem, check
 from graphopt.runtime.host_graph import HostGraph
-from graphopt.runtime.safety import CaptureError, CaptureGuard, CaptureProblem, check
 
 HERE = os.path.basename(__file__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from graphopt.runtime.signature import Signature
+from graphopt.runtime.analysis.signature import Signature
 from graphopt.runtime.static_inputs import StaticInputs
 
 

@@ -45,10 +45,10 @@ import torch
 from .._compat.names import tensor_leaves
 from ..config import GraphOptimizationConfig
 from ..report import BudgetRefusal, CaptureRecord, FallbackKind, PieceRecord, Report
+from .analysis.safety import CaptureGuard
 from .device_graph import DeviceGraph, PoolBudgetExceeded, graph_pool_handle, warmup_stream
 from .graph_outputs import GraphOutputs, layouts
 from .ranks import ranks_captured
-from .safety import CaptureGuard
 
 _RECORDS_AUTOGRAD = ("the step records autograd history (grad mode is on and its outputs require grad), "
                      "which a device graph cannot replay: call it under torch.inference_mode() or "

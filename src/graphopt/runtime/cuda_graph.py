@@ -11,8 +11,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from .analysis.safety import CaptureGuard
 from .device_graph import PoolBudgetExceeded
-from .safety import CaptureGuard
 
 
 @functools.cache

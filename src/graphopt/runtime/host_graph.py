@@ -53,8 +53,8 @@ from .. import _compat
 from .._compat.names import TorchDispatchMode, tensor_leaves
 from ..arena import plan_offsets
 from . import native_tape
+from .analysis.safety import CaptureGuard
 from .device_graph import PoolBudgetExceeded
-from .safety import CaptureGuard
 from .tape import is_copy_replay, plan_entry
 
 _ALIGN = 64

@@ -30,10 +30,10 @@ import torch
 
 from ..config import GraphOptimizationConfig
 from ..report import FallbackKind, PlanRecord, Report
+from .analysis.signature import BatchMismatch, Signature
 from .capture import CapturedGraph, running_at
 from .capture_plan import Planner, TrafficStore, is_traffic
 from .dispatch import Dispatcher
-from .signature import BatchMismatch, Signature
 from .static_inputs import StaticInputs
 
 # Distinct values of a graph's non-batch symbols (a prompt length, a counter) that

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .signature import Signature
+from .analysis.signature import Signature
 
 
 class _Target(NamedTuple):

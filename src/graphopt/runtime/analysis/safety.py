@@ -31,9 +31,9 @@ from typing import Any, Callable
 
 import torch
 
-from .._compat import autotune
-from .._compat.names import TorchDispatchMode
-from ..kernels.collective import is_collective_op
+from ..._compat import autotune
+from ..._compat.names import TorchDispatchMode
+from ...kernels.collective import is_collective_op
 
 _SYNC = ("copies a value from the device to the host: a replay would reuse the value read at capture, "
          "and a CUDA capture fails on the sync")
@@ -194,7 +194,7 @@ def _transfer_rule(name: str, named: dict[str, Any]) -> tuple | None:
 
 def _directories() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(torch's and graphopt's package directories, the standard library's)."""
-    graphopt_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    graphopt_dir = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
     packages = (os.path.dirname(torch.__file__), graphopt_dir)
     stdlib = {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib")}
     return tuple(os.path.join(d, "") for d in packages), tuple(os.path.join(d, "") for d in stdlib)
