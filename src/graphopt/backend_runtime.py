@@ -23,7 +23,8 @@ from .report import FallbackKind
 from .runtime.analysis import piecewise
 from .runtime.analysis.fake_run import fake_run
 from .runtime.analysis.signature import Signature, batch_candidates, signature_of
-from .runtime.capture import CapturedGraph, Pool
+from .runtime.capture import CapturedGraph
+from .runtime.pool import Pool
 from .runtime.runner import GraphRunner
 
 if TYPE_CHECKING:

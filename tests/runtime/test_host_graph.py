@@ -16,7 +16,8 @@ from graphopt import FallbackKind, _compat
 from graphopt.config import tolerance
 from graphopt.runtime import native_tape
 from graphopt.runtime.analysis.safety import CaptureError
-from graphopt.runtime.host_graph import HostGraph, HostPool
+from graphopt.runtime.host_arena import HostPool
+from graphopt.runtime.host_graph import HostGraph
 
 
 @pytest.fixture(autouse=True, params=["native", "python"])

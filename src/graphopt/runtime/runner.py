@@ -34,6 +34,7 @@ from .analysis.signature import BatchMismatch, Signature
 from .capture import CapturedGraph, running_at
 from .capture_plan import Planner, TrafficStore, is_traffic
 from .dispatch import Dispatcher
+from .pool import pools_with
 from .static_inputs import StaticInputs
 
 # Distinct values of a graph's non-batch symbols (a prompt length, a counter) that
@@ -158,7 +159,7 @@ class GraphRunner:
         """Count the call's batch; at a re-plan, release what the plan let go and dispatch on its sizes."""
         planner = self.planner
         for piece in self.captured:
-            for size in piece.refused_sizes:
+            for size in piece.share.refused_sizes:
                 planner.refused(size)
         released = planner.observe(batch)
         if released is None:
@@ -172,11 +173,7 @@ class GraphRunner:
 
     def _pool_bytes_at(self, size: int) -> int:
         """What every graph pool would hold with this runner's graphs at `size` captured too."""
-        own = {i for piece in self.captured for i in piece.pool_ids()}
-        others = self.report.pool_bytes - sum(self.report.pools.get(i, 0) for i in own)
-        estimates = [piece.pool_bytes_at(size) for piece in self.captured]
-        shared = any(piece.pool.shared for piece in self.captured)  # the pieces of a runner share one Pool
-        return others + (max(estimates, default=0) if shared else sum(estimates))
+        return pools_with([piece.share for piece in self.captured], self.report, size)
 
     def _hand_out(self, outputs: Any, batch: int | None, size: int | None, args: tuple) -> Any:
         clone = self.config.clone_output or len(self.callers) > 1
