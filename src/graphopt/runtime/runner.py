@@ -43,6 +43,12 @@ MAX_OTHER_VALUES = 8
 
 
 class GraphRunner:
+    """The state of one compiled graph's runtime, and its replayed call: route the
+    batch, fill the static inputs, run the graph at its capture point, hand out the
+    real rows. It does not capture or replay (CapturedGraph does), copy inputs
+    (StaticInputs), choose sizes (the Dispatcher, the Planner with "auto") or keep the
+    memory budget (pool.py)."""
+
     def __init__(self, graph: Callable, signature: Signature, captured: list[CapturedGraph],
                  config: GraphOptimizationConfig, report: Report, callers: set[int] | None = None,
                  graph_key: str | None = None, lock: threading.RLock | None = None):
@@ -73,7 +79,7 @@ class GraphRunner:
         self.inputs = StaticInputs(signature, config.largest_capture_size(), config.clone_input)
         # A graph that is one captured piece is handed its capture point; a split graph's
         # pieces read it from running_at().
-        self._run_at = graph.run_at if isinstance(graph, CapturedGraph) else self._run_pieces_at
+        self.split = not isinstance(graph, CapturedGraph)
         self.other_values: set[tuple] = set()
         # Graphs of one pool share memory: they must never replay at once, across runners
         # too (the CUDA graphs of one model share a pool: `lock` is its Backend's), and
@@ -98,7 +104,11 @@ class GraphRunner:
             if self.handed_out:  # before the inputs' fill: an output may be a static input's view
                 self._copy_out_held()
             static_args = self.inputs.fill(list(args), batch, size)
-            outputs = self._run_at(point, static_args)
+            if self.split:
+                with running_at(point):
+                    outputs = self.graph(*static_args)
+            else:
+                outputs = self.graph.run_at(point, static_args)
             if traffic:
                 if batch is not None:
                     self.report.padded_rows += size - batch
@@ -106,10 +116,6 @@ class GraphRunner:
                 replayed = [piece.replayed for piece in self.captured]
                 self.report.steps_replayed += bool(replayed) and all(replayed)
             return self._hand_out(outputs, batch, size, args)
-
-    def _run_pieces_at(self, point: tuple, args: list) -> Any:
-        with running_at(point):
-            return self.graph(*args)
 
     def _route(self, args: tuple) -> tuple[int | None, int | None, tuple, bool] | None:
         """(batch, capture size, the capture point its graphs run at, whether the call is
