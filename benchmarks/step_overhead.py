@@ -9,7 +9,9 @@ graphopt's `optimize()` at levels 1 and 2, without device graphs and with host
 graphs (level 1), with and without the compile cache (stored traces run the step
 without Dynamo's own dispatch; level 1 with host graphs and the cache is
 graphopt's default config). Each variant's overhead is its time minus eager's;
-the last column is that overhead against `torch.compile`'s.
+the last column is that overhead against `torch.compile`'s. Below the table, the
+Python frames a replayed call of each host-graph variant nests from the module call
+down to the replay.
 
     python benchmarks/step_overhead.py
     python benchmarks/step_overhead.py --rows 1 --rounds 30
@@ -18,6 +20,7 @@ the last column is that overhead against `torch.compile`'s.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from typing import Callable
@@ -66,6 +69,28 @@ def best_us(steps: dict[str, Callable], x: torch.Tensor, rounds: int, calls: int
     return best
 
 
+def replay_frames(step: Callable, x: torch.Tensor) -> list[str]:
+    """The Python frames open when one call of `step` replays its device graph (a
+    C function named "replay"), outermost first."""
+    stack: list[str] = []
+    found: list[str] = []
+
+    def profile(frame, event, arg) -> None:
+        if event == "call":
+            stack.append(f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}")
+        elif event == "return" and stack:
+            stack.pop()
+        elif event == "c_call" and getattr(arg, "__name__", "") == "replay" and not found:
+            found.extend(stack)
+
+    sys.setprofile(profile)
+    try:
+        step(x)
+    finally:
+        sys.setprofile(None)
+    return found[found.index("module.py:_wrapped_call_impl"):] if "module.py:_wrapped_call_impl" in found else found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=4)
@@ -80,6 +105,7 @@ def main() -> None:
             for _ in range(4):
                 torch.testing.assert_close(step(x), x * 2 + 1, msg=name)
         times = best_us(steps, x, args.rounds, args.calls)
+        frames = {name: replay_frames(step, x) for name, step in steps.items() if "host graphs" in name}
     table = Table(title=f"One call of a tiny step ([{args.rows}, 8]), µs, best of {args.rounds} rounds, 1 thread")
     for column in ("variant", "µs per call", "overhead over eager", "overhead / torch.compile's"):
         table.add_column(column, justify="left" if column == "variant" else "right")
@@ -89,6 +115,8 @@ def main() -> None:
         ratio = f"{overhead / compile_overhead:.2f}x" if name != "eager" and compile_overhead > 0 else ""
         table.add_row(name, f"{us:.1f}", f"{overhead:.1f}" if name != "eager" else "", ratio)
     Console().print(table)
+    for name, chain in frames.items():
+        print(f"{name}: {len(chain)} Python frames from the module call to the replay:\n  " + " > ".join(chain))
 
 
 if __name__ == "__main__":

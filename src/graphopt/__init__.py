@@ -14,8 +14,9 @@ from .passes.manager import PassVerificationError
 from .recompiles import RecompileError
 from .registry import backends, graphopt_backend
 from .report import FallbackKind, Report
-from .runtime.device_graph import DeviceGraph, graph_pool_handle
-from .runtime.safety import CaptureError, CaptureProblem, check
+from .runtime.analysis.safety import CaptureError, CaptureProblem, check
+from .runtime.graphs import device_graph as DeviceGraph
+from .runtime.graphs import graph_pool_handle
 
 register_dynamo_backend("graphopt", graphopt_backend)
 

@@ -20,11 +20,12 @@ import torch.fx
 
 from .backend_cache import GraphSpec
 from .report import FallbackKind
-from .runtime import piecewise
-from .runtime.capture import CapturedGraph, Pool
-from .runtime.fake_run import fake_run
+from .runtime.analysis import piecewise
+from .runtime.analysis.fake_run import fake_run
+from .runtime.analysis.signature import Signature, batch_candidates, signature_of
+from .runtime.capture import CapturedGraph
+from .runtime.pool import Pool
 from .runtime.runner import GraphRunner
-from .runtime.signature import Signature, batch_candidates, signature_of
 
 if TYPE_CHECKING:
     from .backend import Backend

@@ -125,7 +125,7 @@ class GraphOptimizationConfig:
     # in piecewise mode, besides the ops no device graph can replay.
     cudagraph_splitting_ops: list[str] = field(default_factory=list)
     # Custom ops ("mylib::op" or "mylib.op") whose outputs' rows come from the same rows of
-    # their inputs: padding a batch through them is legal (runtime/rows.py).
+    # their inputs: padding a batch through them is legal (runtime/analysis/rows.py).
     rowwise_ops: list[str] = field(default_factory=list)
     capture_error_mode: str = "thread_local"
     # An opaque pool handle shared by every device graph of this config; never serialised.

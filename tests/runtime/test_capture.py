@@ -10,7 +10,8 @@ import graphopt
 from graphopt import FallbackKind
 from graphopt.report import PieceRecord, Report
 from graphopt.runtime import native_tape
-from graphopt.runtime.capture import CapturedGraph, Pool, running_at
+from graphopt.runtime.capture import CapturedGraph, running_at
+from graphopt.runtime.pool import Pool
 
 
 @pytest.fixture(autouse=True)
@@ -116,7 +117,7 @@ def test_a_capture_over_the_memory_budget_is_refused_and_the_function_runs():
     assert report.captures == [] and fn.calls == 4
     (refusal,) = report.budget_refusals
     assert (refusal.size, refusal.available) == (4, 1) and refusal.needed > 1
-    assert report.fallback_counts == {FallbackKind.CAPTURE_REFUSED: 1} and graph.refused_sizes == {4}
+    assert report.fallback_counts == {FallbackKind.CAPTURE_REFUSED: 1} and graph.share.refused_sizes == {4}
 
 
 def test_release_lets_go_of_a_size_and_a_later_call_captures_it_again():

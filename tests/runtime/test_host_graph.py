@@ -15,8 +15,9 @@ import graphopt
 from graphopt import FallbackKind, _compat
 from graphopt.config import tolerance
 from graphopt.runtime import native_tape
-from graphopt.runtime.host_graph import HostGraph, HostPool
-from graphopt.runtime.safety import CaptureError
+from graphopt.runtime.analysis.safety import CaptureError
+from graphopt.runtime.host_arena import HostPool
+from graphopt.runtime.host_graph import HostGraph
 
 
 @pytest.fixture(autouse=True, params=["native", "python"])

@@ -13,7 +13,8 @@ import torch
 import graphopt
 from graphopt.report import PieceRecord, Report
 from graphopt.runtime import native_tape
-from graphopt.runtime.capture import CapturedGraph, Pool, running_at
+from graphopt.runtime.capture import CapturedGraph, running_at
+from graphopt.runtime.pool import Pool
 
 
 def layer_step(x, cache):

@@ -12,8 +12,8 @@ from support import assert_gradients_match, unexpected_fallbacks
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graphopt import FallbackKind
+from graphopt.runtime.analysis.safety import CaptureError, CaptureGuard, CaptureProblem, check, scan
 from graphopt.runtime.host_graph import HostGraph
-from graphopt.runtime.safety import CaptureError, CaptureGuard, CaptureProblem, check
 
 HERE = os.path.basename(__file__)
 
@@ -212,3 +212,15 @@ def test_a_step_that_records_autograd_is_not_captured_and_its_gradients_stay_rig
             x = torch.randn(3, 8, device=device)
             torch.testing.assert_close(opt(x), model(x))
     assert opt.report().replays > 0
+
+
+def test_scan_runs_the_step_once_and_says_why_a_device_graph_must_never_capture_it():
+    w = torch.ones(3)
+    safe = scan(lambda x: x * w, (torch.ones(3),))
+    torch.testing.assert_close(safe.outputs, torch.ones(3))
+    assert safe.refusal is None and safe.groups == []
+    synced = scan(lambda x: x * w.sum().item(), (torch.ones(3),))
+    torch.testing.assert_close(synced.outputs, torch.full((3,), 3.0))  # it ran, whole
+    assert synced.refusal.startswith("aten._local_scalar_dense at ")
+    grad = scan(lambda x: x * torch.ones(3, requires_grad=True), (torch.ones(3),))
+    assert "records autograd history" in grad.refusal

@@ -8,7 +8,7 @@ import torch
 import torch._dynamo
 
 from graphopt import _compat
-from graphopt.runtime.signature import BatchMismatch, Signature, batch_candidates, signature_of
+from graphopt.runtime.analysis.signature import BatchMismatch, Signature, batch_candidates, signature_of
 
 LINEAR = torch.nn.Linear(4, 4)
 

@@ -1,12 +1,14 @@
-"""StaticInputs on its own: user inputs copied and padded into buffers allocated once
-at the largest capture size, everything else passed through."""
+"""StaticInputs and CapturedInputs on their own: user inputs copied and padded into
+buffers allocated once at the largest capture size, everything else passed through;
+a captured graph's inputs copied, rebound, or the reason it must be captured again."""
 
 from __future__ import annotations
 
 import torch
 
-from graphopt.runtime.signature import Signature
-from graphopt.runtime.static_inputs import StaticInputs
+from graphopt.report import Report
+from graphopt.runtime.analysis.signature import Signature
+from graphopt.runtime.static_inputs import CapturedInputs, StaticInputs
 
 
 def signature(kinds: list[str], batch_dims: list[int | None], pads=None, batch_symints=()) -> Signature:
@@ -71,3 +73,40 @@ def test_a_batch_dim_that_is_not_outermost_gets_a_buffer_per_size_in_the_inputs_
     torch.testing.assert_close(arg[:, :3], x)
     inputs.fill([torch.ones(2, 7)], batch=7, size=8)
     assert len(inputs.buffers) == 2
+
+
+class Rebinding:
+    """What CapturedInputs asks of a device graph: to rebind, or why it cannot."""
+
+    def __init__(self, why: str | None = None):
+        self.why, self.rebound = why, []
+
+    def rebind(self, old: torch.Tensor, new: torch.Tensor) -> str | None:
+        self.rebound.append((old, new))
+        return self.why
+
+
+def test_a_captured_graphs_input_at_a_new_address_is_copied_into_the_captured_one():
+    x, cache = torch.zeros(4), torch.zeros(4)
+    inputs = CapturedInputs((x, cache), static=[False, True], rebinds=True)
+    assert inputs.args[0] is x and inputs.args[1] is not cache  # a private alias of the static one
+    assert inputs.args[1].data_ptr() == cache.data_ptr()
+    report, graph = Report(1), Rebinding()
+    assert inputs.take((torch.arange(4.0), cache), graph, report) is None
+    torch.testing.assert_close(x, torch.arange(4.0))
+    assert graph.rebound == [] and report.rebinds == 0
+
+
+def test_a_new_static_tensor_is_rebound_or_says_why_the_graph_is_captured_again():
+    cache, weight = torch.zeros(4), torch.nn.Parameter(torch.ones(4), requires_grad=False)
+    inputs = CapturedInputs((cache, weight), static=[True, True], rebinds=True)
+    report, new_cache = Report(1), torch.ones(4)
+    graph = Rebinding()
+    assert inputs.take((new_cache, weight), graph, report) is None
+    assert graph.rebound == [(inputs.args[0], new_cache)] and report.rebinds == 1
+    assert cache.sum() == 0  # the caller's old tensor is never written
+    refused = Rebinding("a CUDA graph reads and writes its inputs at the addresses it captured")
+    assert inputs.take((torch.ones(4), weight), refused, report) == \
+        "input 0 is a new tensor and a CUDA graph reads and writes its inputs at the addresses it captured"
+    new_weight = torch.nn.Parameter(torch.ones(4), requires_grad=False)
+    assert inputs.take((inputs.args[0], new_weight), graph, report) == "input 1 is a new tensor and it is a parameter"

@@ -1,4 +1,4 @@
-"""The CUDA backend of DeviceGraph: `torch.cuda.CUDAGraph`, captured the way
+"""The CUDA implementation of DeviceGraph: `torch.cuda.CUDAGraph`, captured the way
 `torch.cuda.graph` does it: on one capture stream per device, the stream the
 warm-ups ran on, so cuBLAS/cuDNN state exists before capture begins."""
 
@@ -7,12 +7,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from .analysis.safety import CaptureGuard
 from .device_graph import PoolBudgetExceeded
-from .safety import CaptureGuard
 
 
 @functools.cache
@@ -82,8 +82,13 @@ def prime_libraries(device: torch.device) -> None:
 
 
 class CudaGraph:
+    """A DeviceGraph on CUDA. It captures on the device's capture stream and measures
+    what its pool grew by; it does not copy inputs, pad, or decide whether a capture
+    fits a budget (it only raises PoolBudgetExceeded past the growth it is given)."""
+
     executes_during_capture = False  # a stream capture records without running
     rebinds = False  # a graph's kernels hold its inputs' addresses
+    replay_fallback = None
 
     def __init__(self, device: torch.device, mode: str, pool: Any = None):
         self.device = device
@@ -140,6 +145,10 @@ class CudaGraph:
 
     def replay(self) -> None:
         self.graph.replay()
+
+    @property
+    def replayer(self) -> Callable[[], None]:
+        return self.graph.replay
 
     def rebind(self, old: torch.Tensor, new: torch.Tensor) -> str | None:
         return "a CUDA graph reads and writes its inputs at the addresses it captured"

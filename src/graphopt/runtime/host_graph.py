@@ -11,16 +11,8 @@ or, where that extension cannot be built, from Python.
 
 Replays run under `torch.inference_mode()`: a host graph records no autograd history.
 
-Memory. At `capture_end` every allocation made during capture (intermediates and
-outputs; never tensors that existed before, such as static inputs, parameters or a
-KV cache) moves into its `HostPool`'s arena with `Tensor.set_`, a base and its views
-together, so the tape and the caller's references see the new memory. A graph
-that reads another graph's outputs from the same arena (the next piece of a split
-graph) is placed after them. Offsets are planned by lifetime (from the op that creates an allocation to the last op that
-touches it; `outputs` live to the end) with the planner the passes use
-(`graphopt.arena.plan_offsets`: greedy by size), 64-byte aligned. Graphs of
-one pool share one arena sized to the largest need, so replaying one overwrites the
-others' outputs, as in a CUDA graph pool. Outputs keep their captured values.
+Memory: at `capture_end` what the capture allocated moves into its `HostPool`'s
+arena (`host_arena.py`), where the graphs of one pool share one arena.
 
 Decisions:
 - Random ops are replayed and draw fresh numbers from their generator at every
@@ -34,7 +26,7 @@ Decisions:
   tensor the capture saw on input `old`'s memory (`old`, and the views the step
   made of it) to the same place in `new`'s, a tensor of the same size, stride and
   dtype (a KV cache made anew for each `generate()`). So `old` must be a private
-  alias of the caller's tensor, which is then never touched again (`capture.py`).
+  alias of the caller's tensor, which is then never touched again (`static_inputs.CapturedInputs`).
 
 Not thread-safe: capture in one thread (the recorder is thread-local), and never
 replay one graph, or two graphs of one pool, from two threads at once.
@@ -42,8 +34,6 @@ replay one graph, or two graphs of one pool, from two threads at once.
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -51,51 +41,23 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import _compat
 from .._compat.names import TorchDispatchMode, tensor_leaves
-from ..arena import plan_offsets
 from . import native_tape
+from .analysis.safety import CaptureGuard
 from .device_graph import PoolBudgetExceeded
-from .safety import CaptureGuard
+from .host_arena import HostPool, analyse, arena_bytes_read, extent, move, place, storage_key
 from .tape import is_copy_replay, plan_entry
-
-_ALIGN = 64
-
-
-class HostPool:
-    """Arena memory shared by host graphs: the CPU analogue of a CUDA graph pool.
-    Graphs sharing a pool share one arena whose size is the largest need, not the sum."""
-
-    def __init__(self) -> None:
-        self._storage = torch.UntypedStorage(0)
-        self._graphs: weakref.WeakSet[HostGraph] = weakref.WeakSet()
-
-    @property
-    def nbytes(self) -> int:
-        """Current arena size in bytes."""
-        return self._storage.nbytes()
-
-    def _fit(self) -> None:
-        """Size the arena to the largest need of the graphs that use it. Growing
-        resizes the storage in place: every tensor on it follows. Shrinking (after a
-        reset) moves the graphs' own tensors to a smaller storage; any other tensor on
-        the old one (a caller's view, an output of the reset graph) keeps that memory
-        alive, frozen, rather than pointing past the end of the new one."""
-        need = max((g.nbytes for g in self._graphs), default=0)
-        if need > self.nbytes:
-            self._storage.resize_(need)
-        elif need < self.nbytes:
-            old, self._storage = self._storage, torch.UntypedStorage(need)
-            _bytes(self._storage, 0, need).copy_(_bytes(old, 0, need))
-            with torch.inference_mode():
-                for graph in self._graphs:
-                    for t in graph._placed:
-                        t.set_(self._storage, t.storage_offset(), t.size(), t.stride())
 
 
 class HostGraph:
-    """One captured, replayable step on the CPU (see the module docstring)."""
+    """A DeviceGraph on the CPU (see the module docstring). It records, places its
+    memory in its pool's arena and replays; it does not copy inputs, pad, or decide
+    whether a capture fits a budget (it only raises PoolBudgetExceeded past the
+    growth it is given)."""
 
+    device = torch.device("cpu")
     executes_during_capture = True  # recording runs the step
     rebinds = True  # the tape holds tensor objects, which `rebind` can point elsewhere
+    pool_growth = 0  # an arena is sized exactly, not grown by an allocator
 
     def __init__(self, pool: HostPool | None = None, native: bool | None = None):
         """`native`: replay from C++ (default `native_tape.ENABLED`: yes unless
@@ -105,9 +67,9 @@ class HostGraph:
         self.pool = pool if pool is not None else HostPool()
         self.native = native_tape.ENABLED if native is None else native
         self._tape: Any = None  # a native_tape Tape, or a tuple of (callable, args, kwargs)
-        self._placed: list[torch.Tensor] = []  # every tensor object this graph moved into the arena
+        self.placed: list[torch.Tensor] = []  # every tensor object this graph moved into the arena
         self._nbytes = self._copy_replays = self._python_entries = 0
-        self.python_replay_reason: str | None = None  # why a native replay was asked for and not given
+        self.replay_fallback: str | None = None  # why a native replay was asked for and not given
         self._modes: tuple[_Recorder, CaptureGuard] | None = None
         self._inputs: dict[int, list[torch.Tensor] | None] = {}  # `_inputs()`, for rebind
 
@@ -153,17 +115,17 @@ class HostGraph:
         escaping = None if outputs is None else tensor_leaves(outputs)
         try:
             with torch.inference_mode():
-                allocations, fresh = _analyse(recorder.records, escaping)
+                allocations, fresh = analyse(recorder.records, escaping)
                 self._inputs = _inputs(recorder.records)
-                self._nbytes = _place(allocations, _arena_bytes_read(recorder.records, self.pool._storage))
+                self._nbytes = place(allocations, arena_bytes_read(recorder.records, self.pool.storage))
                 if max_growth is not None and self._nbytes - self.pool.nbytes > max_growth:
                     raise PoolBudgetExceeded(self._nbytes - self.pool.nbytes, max_growth)
-                self.pool._graphs.add(self)
-                self.pool._fit()
-                self._placed = _move(allocations, self.pool._storage)
-                self.python_replay_reason = native_tape.unavailable() if self.native else None
-                native = self.native and self.python_replay_reason is None
-                entries = [plan_entry(*record, new, self._placed, bindings=not native)
+                self.pool.graphs.add(self)
+                self.pool.fit()
+                self.placed = move(allocations, self.pool.storage)
+                self.replay_fallback = native_tape.unavailable() if self.native else None
+                native = self.native and self.replay_fallback is None
+                entries = [plan_entry(*record, new, self.placed, bindings=not native)
                            for record, new in zip(recorder.records, fresh)]
                 entries = [entry for entry in entries if entry is not None]
                 if native:
@@ -199,16 +161,16 @@ class HostGraph:
         if (new.shape, new.stride(), new.dtype, new.device, new.layout) != \
                 (old.shape, old.stride(), old.dtype, old.device, old.layout):
             return "its size, stride or dtype differs from the captured one's"
-        if StorageWeakRef(new.untyped_storage()) == StorageWeakRef(self.pool._storage):
+        if StorageWeakRef(new.untyped_storage()) == StorageWeakRef(self.pool.storage):
             # A capture places its intermediates after what it reads from the arena; a rebind cannot.
             return "it lives in the graph pool's memory, where the graph's intermediates go"
         tensors = self._inputs.get(id(old), [old])
         if tensors is None:
             return "another tensor from before the capture shares the captured one's memory"
-        low, high = _extent(old)
+        low, high = extent(old)
         shift = (new.storage_offset() - old.storage_offset()) * old.element_size()
         if any(not low <= start <= end <= high or shift % t.element_size()
-               for t, (start, end) in zip(tensors, map(_extent, tensors))):
+               for t, (start, end) in zip(tensors, map(extent, tensors))):
             return "the graph reads memory of the captured one's storage outside it"
         storage = new.untyped_storage()
         with torch.inference_mode():
@@ -222,11 +184,11 @@ class HostGraph:
         capture in progress, e.g. after the captured code raised."""
         if self._modes is not None:
             self._stop("reset")
-        self._tape, self._placed, self._nbytes, self._copy_replays, self._python_entries = None, [], 0, 0, 0
+        self._tape, self.placed, self._nbytes, self._copy_replays, self._python_entries = None, [], 0, 0, 0
         self._inputs = {}
-        if self in self.pool._graphs:
-            self.pool._graphs.discard(self)
-            self.pool._fit()
+        if self in self.pool.graphs:
+            self.pool.graphs.discard(self)
+            self.pool.fit()
 
     abort = reset  # ends a capture whose step raised
 
@@ -268,66 +230,6 @@ class _Recorder(TorchDispatchMode):
         return result
 
 
-# -- memory: which allocations the capture made, when they live, where they go --------------
-
-@dataclass
-class _Allocation:
-    storage: torch.UntypedStorage
-    first: int  # index of the op that created it
-    last: int  # index of the last op that touches it (through any view)
-    tensors: dict[int, torch.Tensor] = field(default_factory=dict)  # every tensor object on it, by id
-    escapes: bool = False  # read after the graph: lives to the end, keeps its captured values
-    offset: int = 0
-
-
-def _storage_key(t: torch.Tensor) -> int | None:
-    """Identity of a tensor's memory: its storage's address. Every tensor the capture
-    sees is kept alive until capture_end, so no address is reused meanwhile. None for
-    tensors without memory of their own (empty, meta, not strided)."""
-    if t.layout != torch.strided:
-        return None
-    storage = t.untyped_storage()
-    return storage.data_ptr() if storage.nbytes() > 0 and storage.data_ptr() != 0 else None
-
-
-def _analyse(records: list, escaping: list[torch.Tensor] | None) -> tuple[list[_Allocation], list[list[bool]]]:
-    """The CPU allocations the recorded ops created, with their lifetimes, and for
-    each op which of its tensor outputs are new memory (False: a view of an input,
-    or memory that existed before). Storages first seen as an input existed before
-    the capture, or are constants made outside the dispatcher: they never move."""
-    made: dict[int, _Allocation] = {}
-    seen: set[int | None] = set()
-    fresh: list[list[bool]] = []
-
-    def touch(t: torch.Tensor, key: int | None, i: int) -> None:
-        if key in made:
-            made[key].last = i
-            made[key].tensors[id(t)] = t
-
-    for i, (_, args, kwargs, result) in enumerate(records):
-        for t in tensor_leaves((args, kwargs)):
-            key = _storage_key(t)
-            seen.add(key)
-            touch(t, key, i)
-        new_here: set[int] = set()
-        flags = []
-        for t in tensor_leaves(result):
-            key = _storage_key(t)
-            is_new = key is not None and (key not in seen or key in new_here)
-            if is_new and key not in new_here:
-                new_here.add(key)
-                if t.device.type == "cpu":
-                    made[key] = _Allocation(t.untyped_storage(), i, i)
-            flags.append(is_new)
-            touch(t, key, i)
-        seen |= new_here
-        fresh.append(flags)
-    for key in made if escaping is None else map(_storage_key, escaping):
-        if key in made:
-            made[key].last, made[key].escapes = len(records), True
-    return list(made.values()), fresh
-
-
 def _inputs(records: list) -> dict[int, list[torch.Tensor] | None]:
     """For each tensor that existed before the capture (first seen as an argument),
     every tensor object the capture saw on its memory: itself and the views the
@@ -338,60 +240,14 @@ def _inputs(records: list) -> dict[int, list[torch.Tensor] | None]:
     made: set[int] = set()
     for _, args, kwargs, result in records:
         for t in tensor_leaves((args, kwargs)):
-            key = _storage_key(t)
+            key = storage_key(t)
             if key is not None and key not in made and id(t) not in on.setdefault(key, {}):
                 on[key][id(t)] = t
                 before.setdefault(key, []).append(id(t))
         for t in tensor_leaves(result):
-            key = _storage_key(t)
+            key = storage_key(t)
             if key in on:
                 on[key].setdefault(id(t), t)
             elif key is not None:
                 made.add(key)
     return {tid: list(on[key].values()) if len(ids) == 1 else None for key, ids in before.items() for tid in ids}
-
-
-def _extent(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes of its storage a tensor spans: [start, end)."""
-    start, span = t.storage_offset(), 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return start * t.element_size(), (start + span * (t.numel() > 0)) * t.element_size()
-
-
-def _arena_bytes_read(records: list, arena: torch.UntypedStorage) -> int:
-    """Where the pool's arena stops holding what this graph reads: the end of the
-    furthest byte of any input that lives on the arena (the output of another
-    graph of the pool that this one consumes, e.g. the piece before it)."""
-    arena_ref, end = StorageWeakRef(arena), 0
-    for _, args, kwargs, _ in records:
-        for t in tensor_leaves((args, kwargs)):
-            if t.layout == torch.strided and StorageWeakRef(t.untyped_storage()) == arena_ref and t.numel():
-                end = max(end, _extent(t)[1])
-    return -(-end // _ALIGN) * _ALIGN
-
-
-def _place(allocations: list[_Allocation], base: int) -> int:
-    """Offsets by lifetime and size, planned as the graph passes plan theirs
-    (`arena.plan_offsets`), from `base` on, so nothing this graph reads from
-    the arena is overwritten while it runs. Returns the arena bytes needed."""
-    plan = plan_offsets([(a.first, a.last, a.storage.nbytes()) for a in allocations], _ALIGN)
-    for a, offset in zip(allocations, plan.offsets):
-        a.offset = base + offset
-    return base + plan.nbytes
-
-
-def _move(allocations: list[_Allocation], arena: torch.UntypedStorage) -> list[torch.Tensor]:
-    """Point every tensor of each allocation at its place in the arena, keeping its
-    offset within the allocation; escaping allocations (which never overlap) take
-    their captured values along. Returns the tensors moved."""
-    moved = []
-    for a in allocations:
-        if a.escapes:
-            _bytes(arena, a.offset, a.storage.nbytes()).copy_(_bytes(a.storage, 0, a.storage.nbytes()))
-        for t in a.tensors.values():
-            t.set_(arena, a.offset // t.element_size() + t.storage_offset(), t.size(), t.stride())
-            moved.append(t)
-    return moved
-
-
-def _bytes(storage: torch.UntypedStorage, offset: int, nbytes: int) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8).set_(storage, offset, (nbytes,), (1,))

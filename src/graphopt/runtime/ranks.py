@@ -36,3 +36,21 @@ def ranks_captured(group_names: list[str], size: int, failed: bool) -> bool:
                 "sizes in the same order with the same cudagraph_capture_sizes")
         everywhere = everywhere and not any_failed
     return everywhere
+
+
+class Ranks:
+    """The process groups a step communicates over, and after each capture whether
+    every rank of them captured. It does not capture, nor drop graphs: it only says
+    why no rank may replay (`refusal`), so that every rank falls back together."""
+
+    def __init__(self, groups: list[str]):
+        self.groups = groups
+
+    def refusal(self, size: int, error: BaseException | None) -> str | None:
+        """None when every rank captured `size`; else why no rank replays it (this
+        rank's `error`, or another rank's failure). Every rank must call it after
+        each capture, failed or not: it is one all-reduce."""
+        if ranks_captured(self.groups, size, error is not None):
+            return None
+        where = f"here ({type(error).__name__}: {error})" if error is not None else "on another rank"
+        return f"the capture failed {where}, so no rank of process groups {self.groups} replays it"

@@ -30,10 +30,11 @@ import torch
 
 from ..config import GraphOptimizationConfig
 from ..report import FallbackKind, PlanRecord, Report
+from .analysis.signature import BatchMismatch, Signature
 from .capture import CapturedGraph, running_at
 from .capture_plan import Planner, TrafficStore, is_traffic
 from .dispatch import Dispatcher
-from .signature import BatchMismatch, Signature
+from .pool import pools_with
 from .static_inputs import StaticInputs
 
 # Distinct values of a graph's non-batch symbols (a prompt length, a counter) that
@@ -42,6 +43,12 @@ MAX_OTHER_VALUES = 8
 
 
 class GraphRunner:
+    """The state of one compiled graph's runtime, and its replayed call: route the
+    batch, fill the static inputs, run the graph at its capture point, hand out the
+    real rows. It does not capture or replay (CapturedGraph does), copy inputs
+    (StaticInputs), choose sizes (the Dispatcher, the Planner with "auto") or keep the
+    memory budget (pool.py)."""
+
     def __init__(self, graph: Callable, signature: Signature, captured: list[CapturedGraph],
                  config: GraphOptimizationConfig, report: Report, callers: set[int] | None = None,
                  graph_key: str | None = None, lock: threading.RLock | None = None):
@@ -72,7 +79,7 @@ class GraphRunner:
         self.inputs = StaticInputs(signature, config.largest_capture_size(), config.clone_input)
         # A graph that is one captured piece is handed its capture point; a split graph's
         # pieces read it from running_at().
-        self._run_at = graph.run_at if isinstance(graph, CapturedGraph) else self._run_pieces_at
+        self.split = not isinstance(graph, CapturedGraph)
         self.other_values: set[tuple] = set()
         # Graphs of one pool share memory: they must never replay at once, across runners
         # too (the CUDA graphs of one model share a pool: `lock` is its Backend's), and
@@ -97,7 +104,11 @@ class GraphRunner:
             if self.handed_out:  # before the inputs' fill: an output may be a static input's view
                 self._copy_out_held()
             static_args = self.inputs.fill(list(args), batch, size)
-            outputs = self._run_at(point, static_args)
+            if self.split:
+                with running_at(point):
+                    outputs = self.graph(*static_args)
+            else:
+                outputs = self.graph.run_at(point, static_args)
             if traffic:
                 if batch is not None:
                     self.report.padded_rows += size - batch
@@ -105,10 +116,6 @@ class GraphRunner:
                 replayed = [piece.replayed for piece in self.captured]
                 self.report.steps_replayed += bool(replayed) and all(replayed)
             return self._hand_out(outputs, batch, size, args)
-
-    def _run_pieces_at(self, point: tuple, args: list) -> Any:
-        with running_at(point):
-            return self.graph(*args)
 
     def _route(self, args: tuple) -> tuple[int | None, int | None, tuple, bool] | None:
         """(batch, capture size, the capture point its graphs run at, whether the call is
@@ -158,7 +165,7 @@ class GraphRunner:
         """Count the call's batch; at a re-plan, release what the plan let go and dispatch on its sizes."""
         planner = self.planner
         for piece in self.captured:
-            for size in piece.refused_sizes:
+            for size in piece.share.refused_sizes:
                 planner.refused(size)
         released = planner.observe(batch)
         if released is None:
@@ -172,11 +179,7 @@ class GraphRunner:
 
     def _pool_bytes_at(self, size: int) -> int:
         """What every graph pool would hold with this runner's graphs at `size` captured too."""
-        own = {i for piece in self.captured for i in piece.pool_ids()}
-        others = self.report.pool_bytes - sum(self.report.pools.get(i, 0) for i in own)
-        estimates = [piece.pool_bytes_at(size) for piece in self.captured]
-        shared = any(piece.pool.shared for piece in self.captured)  # the pieces of a runner share one Pool
-        return others + (max(estimates, default=0) if shared else sum(estimates))
+        return pools_with([piece.share for piece in self.captured], self.report, size)
 
     def _hand_out(self, outputs: Any, batch: int | None, size: int | None, args: tuple) -> Any:
         clone = self.config.clone_output or len(self.callers) > 1

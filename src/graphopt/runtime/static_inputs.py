@@ -1,4 +1,9 @@
-"""Static input buffers: where a device graph reads its user inputs from.
+"""Static inputs: the one place a call's inputs are copied to where a device graph reads them.
+
+`StaticInputs` (one per runner) holds the user inputs' buffers; `CapturedInputs` (one
+per captured graph) the tensors a capture read, and how a later call's tensors take
+their place. Neither captures or replays anything.
+
 
 A user input with a batch dim gets one buffer, allocated at the largest capture
 size and sliced to each size it runs at (nano-vllm's `capture_cudagraph`), so
@@ -11,11 +16,15 @@ static, mutated inputs) and SymInts are never copied: they are passed through.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from .signature import Signature
+from ..report import Report
+from .analysis.signature import Signature
+
+if TYPE_CHECKING:
+    from .device_graph import DeviceGraph
 
 
 class _Target(NamedTuple):
@@ -28,6 +37,9 @@ class _Target(NamedTuple):
 
 
 class StaticInputs:
+    """A runner's user inputs, copied (and padded) into buffers shared by every capture
+    size. It does not decide the size (the dispatcher does) nor know device graphs."""
+
     def __init__(self, signature: Signature, largest: int, clone_input: bool):
         self.signature = signature
         self.largest = largest
@@ -101,6 +113,60 @@ class StaticInputs:
                 shape[dim] = key[1]
             buffer = self.buffers[key] = _empty_like(value, shape)
         return buffer.narrow(dim, 0, size) if outermost else buffer
+
+
+class CapturedInputs:
+    """The tensors one device graph read at its capture, and how a call's arguments
+    take their place: a tensor at a new address is copied into the captured one,
+    unless it is a static argument (parameter, buffer, written input), which the graph
+    must read and write itself: a new tensor of the same size, stride and dtype (the
+    KV cache of a new `generate()`) is rebound where the device graph can; otherwise
+    the graph must be captured again (`take` says why). A graph that rebinds is
+    captured on a private alias of each static argument that is not a parameter, so
+    that rebinding moves the alias and never the caller's tensor."""
+
+    def __init__(self, args: tuple, static: list[bool], rebinds: bool):
+        hows = [_how(a, s) for a, s in zip(args, static)]
+        if rebinds:
+            args = tuple(_alias(a) if how == "rebind" else a for a, how in zip(args, hows))
+        self.args = args  # what the capture runs on
+        self.tensors = [(i, a, how) for i, (a, how) in enumerate(zip(args, hows)) if isinstance(a, torch.Tensor)]
+
+    def take(self, args: tuple, graph: DeviceGraph, report: Report) -> str | None:
+        """Make the captured tensors hold this call's: copy, or rebind `graph`. Returns
+        why the graph must be captured again instead, or None."""
+        rebound = 0
+        for i, captured, how in self.tensors:
+            value = args[i]
+            if value.data_ptr() == captured.data_ptr():
+                continue
+            if how == "copy":
+                captured.copy_(value)
+                continue
+            why = "it is a parameter" if how == "recapture" else graph.rebind(captured, value)
+            if why is not None:
+                return f"input {i} is a new tensor and {why}"
+            rebound += 1
+        report.rebinds += rebound
+        return None
+
+
+def _how(value: Any, static: bool) -> str:
+    """How a replay takes a new tensor in this argument's place: "copy" it into
+    the captured one, "rebind" the graph to it, or "recapture". A parameter keeps
+    being captured again: Dynamo's guards recompile for a reassigned one first,
+    so this is rare, and an alias would not carry its `requires_grad`."""
+    if not static or not isinstance(value, torch.Tensor):
+        return "copy"
+    return "recapture" if isinstance(value, torch.nn.Parameter) else "rebind"
+
+
+def _alias(value: torch.Tensor) -> torch.Tensor:
+    """A new tensor object on `value`'s memory, with its size, stride and offset:
+    what the graph is captured on, so that a rebind moves it and not `value`."""
+    with torch.inference_mode(value.is_inference()):
+        return torch.empty(0, dtype=value.dtype, device=value.device).set_(
+            value.untyped_storage(), value.storage_offset(), value.size(), value.stride())
 
 
 def _shape_at(value: torch.Tensor, dim: int | None, size: int | None) -> list[int]:

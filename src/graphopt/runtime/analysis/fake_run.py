@@ -25,8 +25,8 @@ import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .. import _compat
-from .._compat.names import TorchDispatchMode
+from ... import _compat
+from ..._compat.names import TorchDispatchMode
 from .rows import BatchRows, Mixes
 from .safety import problem_of
 

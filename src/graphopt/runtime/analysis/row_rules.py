@@ -14,8 +14,8 @@ from typing import Any, Callable
 import sympy
 import torch
 
-from .._compat.names import tensor_leaves
-from ..kernels.collective import is_collective_op
+from ..._compat.names import tensor_leaves
+from ...kernels.collective import is_collective_op
 from .safety import named_arguments
 
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
-from .. import _compat
+from ... import _compat
 
 
 def split(gm: torch.fx.GraphModule, nodes: dict[torch.fx.Node, str]) -> tuple[torch.fx.GraphModule, dict[str, str]]:

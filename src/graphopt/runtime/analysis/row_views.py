@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import sympy
 
-from .. import _compat
+from ... import _compat
 from .row_rules import Call, Mixes, Rows, is_int, rule, whole
 
 

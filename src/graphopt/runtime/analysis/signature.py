@@ -28,8 +28,8 @@ import sympy
 import torch
 import torch.fx
 
-from .. import _compat
-from .._compat.names import tensor_leaves, tree_leaves
+from ... import _compat
+from ..._compat.names import tensor_leaves, tree_leaves
 
 
 @dataclass

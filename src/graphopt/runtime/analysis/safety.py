@@ -27,13 +27,13 @@ import os
 import sys
 import sysconfig
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
-from .._compat import autotune
-from .._compat.names import TorchDispatchMode
-from ..kernels.collective import is_collective_op
+from ..._compat import autotune
+from ..._compat.names import TorchDispatchMode, tensor_leaves
+from ...kernels.collective import is_collective_op
 
 _SYNC = ("copies a value from the device to the host: a replay would reuse the value read at capture, "
          "and a CUDA capture fails on the sync")
@@ -140,6 +140,38 @@ def check(fn: Callable, *args: Any, **kwargs: Any) -> list[CaptureProblem]:
     return guard.problems
 
 
+_RECORDS_AUTOGRAD = ("the step records autograd history (grad mode is on and its outputs require grad), "
+                     "which a device graph cannot replay: call it under torch.inference_mode() or "
+                     "torch.no_grad(), or give the parameters requires_grad=False")
+
+
+@dataclass
+class Scan:
+    """A step's run under the capture checks: what it returned, why a device graph
+    must never capture it (None: it may), and the process groups it communicates over."""
+
+    outputs: Any
+    refusal: str | None
+    groups: list[str]
+
+
+def scan(fn: Callable, args: Sequence[Any]) -> Scan:
+    """Run `fn(*args)` once, finding before any capture what a device graph could not
+    replay: the first capture-unsafe op (with the user's line), or outputs that
+    require grad (a replay rewrites the saved activations under their grad_fn, so a
+    backward through them would read another step's values)."""
+    guard = CaptureGuard(collect=True)
+    with guard:
+        outputs = fn(*args)
+    refusal = None
+    if guard.problems:
+        first = guard.problems[0]
+        refusal = f"{first.op} at {first.location}: {first.message}"
+    elif any(t.requires_grad for t in tensor_leaves(outputs)):
+        refusal = _RECORDS_AUTOGRAD
+    return Scan(outputs, refusal, guard.groups)
+
+
 def problem_of(func: Any, args: tuple, kwargs: dict) -> CaptureProblem | None:
     """The problem an ATen call would cause in a capture, or None. Decided from the
     op and its arguments only (devices included), before the op runs."""
@@ -194,7 +226,7 @@ def _transfer_rule(name: str, named: dict[str, Any]) -> tuple | None:
 
 def _directories() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(torch's and graphopt's package directories, the standard library's)."""
-    graphopt_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    graphopt_dir = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
     packages = (os.path.dirname(torch.__file__), graphopt_dir)
     stdlib = {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib")}
     return tuple(os.path.join(d, "") for d in packages), tuple(os.path.join(d, "") for d in stdlib)

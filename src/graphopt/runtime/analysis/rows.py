@@ -35,8 +35,8 @@ import sympy
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .. import _compat
-from .._compat.names import tree_leaves
+from ... import _compat
+from ..._compat.names import tree_leaves
 from . import row_indexing, row_sorts, row_views  # noqa: F401 - register their rules
 from .row_rules import (
     METADATA,
