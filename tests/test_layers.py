@@ -32,6 +32,7 @@ LAYERS = {  # the first part of a module's dotted name below graphopt -> its lay
     "backend": "backend", "backend_cache": "backend", "registry": "backend", "repack": "backend",
     "recompiles": "backend", "frozen_watch": "backend", "executors": "backend", "backend_runtime": "backend",
     "tiers": "backend", "candidates": "backend", "inductor_options": "backend", "lowering": "backend",
+    "compile_graph": "backend",
     "api": "api", "traces": "api", "guards": "api",
     "bench": "tools", "cli": "tools", "cli_args": "tools", "__main__": "tools", "__init__": "tools",
 }

@@ -65,33 +65,14 @@ class _Step:
         # store a trace whose guards were filtered where it guards a module's key order: no
         # stored traces then.
         # With "auto", a graph's runtime is chosen at its first call, after a trace is stored.
-        if config.graph_opt_level in (1, 2) and config.cache_traces and self.backend.cache.bypass() is None \
+        cached = self.backend.cache.bypass(self.backend.cache.fingerprint()) is None
+        if config.graph_opt_level in (1, 2) and config.cache_traces and cached \
                 and config.on_recompile == "recompile" and guard_filter is None:
             identity = json.dumps([config.to_json(), self.dynamic_dims, self.pad_values], sort_keys=True)
-            self.traces = StoredTraces(fn, self.backend, identity, self._mark_dynamic)
+            self.traces = StoredTraces(fn, self.backend, identity, self.mark_dynamic)
         self.last_call: tuple[tuple, dict] | None = None
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.config.use_cudagraph:
-            self.last_call = (args, kwargs)
-        if self.traces is not None:
-            result = self.traces(args, kwargs)
-            if result is not MISS:
-                return result
-        if self.compiles and (self.traces is not None or not self.backend.compiled_dynamic):
-            # Marked on every call where a step could have stored traces: Dynamo then
-            # makes the graphs a trace would (a dynamic batch in every graph), so the
-            # compile cache serves both ways of running the step.
-            self._mark_dynamic(args, kwargs)
-        try:
-            return self.fn(*args, **kwargs)
-        except Exception as error:
-            refused = recompiles.raised(error)  # Dynamo wraps what a backend raises: give the user ours
-            if refused is None:
-                raise
-            raise refused from None
-
-    def _mark_dynamic(self, args: tuple, kwargs: dict) -> None:
+    def mark_dynamic(self, args: tuple, kwargs: dict) -> None:
         for leaf, dim in zip(tree_leaves((args, kwargs)), self.leaf_dims(args, kwargs)):
             if dim is not None:
                 _compat.mark_dynamic(leaf, dim)
@@ -118,40 +99,61 @@ class _Step:
         return [(self.params[i] if i < len(self.params) else None, a) for i, a in enumerate(args)] + \
                list(kwargs.items())
 
-    def capture_all(self, args: tuple, kwargs: dict) -> None:
-        """Warm up and capture every capture size now, largest first, from one example call."""
-        if not self.config.use_cudagraph:
-            raise RuntimeError("capture_all() needs use_cudagraph=True in the config")
-        if not args and not kwargs:
-            if self.last_call is None:
-                raise ValueError("capture_all() needs example inputs: pass them, or call the model once first")
-            args, kwargs = self.last_call
-        leaves, spec = tree_flatten((args, kwargs))
-        dims = self.leaf_dims(args, kwargs)
-        sizes = self.config.cudagraph_capture_sizes
-        if self.config.auto_capture_sizes:  # the sizes planned from the traffic the compile cache kept
-            with self.backend.capture_calls():
-                self(*args, **kwargs)
-            sizes = self.backend.report().capture_sizes
-        sizes = sorted(sizes, reverse=True)
-        with _capture_progress(len(sizes)) as advance, self.backend.capture_calls():
-            for size in sizes:
-                advance(size)
-                sized = [_resized(leaf, dim, size) if dim is not None else leaf for leaf, dim in zip(leaves, dims)]
-                s_args, s_kwargs = tree_unflatten(sized, spec)
-                for _ in range(max(self.config.cudagraph_num_of_warmups, 1) + 1):
-                    self(*s_args, **s_kwargs)
-
 
 class _Optimized:
     """The methods every optimized callable has, over its `_step`."""
 
     _step: _Step
 
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        """A call of the step: a stored trace that fits it, else torch.compile's dispatch
+        with the batch dims marked dynamic. `OptimizedModule.forward` and
+        `OptimizedFunction.__call__` are this function: one frame to the trace check."""
+        step = self._step
+        if step.config.use_cudagraph:
+            step.last_call = (args, kwargs)
+        if step.traces is not None:
+            result = step.traces(args, kwargs)
+            if result is not MISS:
+                return result
+        if step.compiles and (step.traces is not None or not step.backend.compiled_dynamic):
+            # Marked on every call where a step could have stored traces: Dynamo then
+            # makes the graphs a trace would (a dynamic batch in every graph), so the
+            # compile cache serves both ways of running the step.
+            step.mark_dynamic(args, kwargs)
+        try:
+            return step.fn(*args, **kwargs)
+        except Exception as error:
+            refused = recompiles.raised(error)  # Dynamo wraps what a backend raises: give the user ours
+            if refused is None:
+                raise
+            raise refused from None
+
     def capture_all(self, *args: Any, **kwargs: Any) -> None:
         """Capture a device graph for every capture size now (largest first), from
         these example inputs or, without any, the last call's."""
-        self._step.capture_all(args, kwargs)
+        step = self._step
+        if not step.config.use_cudagraph:
+            raise RuntimeError("capture_all() needs use_cudagraph=True in the config")
+        if not args and not kwargs:
+            if step.last_call is None:
+                raise ValueError("capture_all() needs example inputs: pass them, or call the model once first")
+            args, kwargs = step.last_call
+        leaves, spec = tree_flatten((args, kwargs))
+        dims = step.leaf_dims(args, kwargs)
+        sizes = step.config.cudagraph_capture_sizes
+        if step.config.auto_capture_sizes:  # the sizes planned from the traffic the compile cache kept
+            with step.backend.capture_calls():
+                self._call(*args, **kwargs)
+            sizes = step.backend.report().capture_sizes
+        sizes = sorted(sizes, reverse=True)
+        with _capture_progress(len(sizes)) as advance, step.backend.capture_calls():
+            for size in sizes:
+                advance(size)
+                sized = [_resized(leaf, dim, size) if dim is not None else leaf for leaf, dim in zip(leaves, dims)]
+                s_args, s_kwargs = tree_unflatten(sized, spec)
+                for _ in range(max(step.config.cudagraph_num_of_warmups, 1) + 1):
+                    self._call(*s_args, **s_kwargs)
 
     def report(self) -> Report:
         """What ran: graphs, passes and their stats, compile times, device graphs, fallbacks."""
@@ -194,8 +196,7 @@ class OptimizedModule(_Optimized, torch.nn.Module):
         # again, and state_dict() would list every weight twice.
         object.__setattr__(self, "_step", step)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step(*args, **kwargs)
+    forward = _Optimized._call
 
 
 class OptimizedFunction(_Optimized):
@@ -209,8 +210,7 @@ class OptimizedFunction(_Optimized):
         self._step = _Step(fn, config, dynamic_dims, pad_values)
         functools.update_wrapper(self, fn)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step(*args, **kwargs)
+    __call__ = _Optimized._call
 
     def __reduce__(self) -> tuple:
         # Pickled with the module whose forward it replaces (Dynamo's stored guards
