@@ -24,7 +24,7 @@ from support import cache_entries as entries
 
 import graphopt
 from graphopt import FallbackKind, cache
-from graphopt.backend import Backend
+from graphopt.backend.backend import Backend
 from graphopt.config import GraphOptimizationConfig
 from graphopt.models import generate
 from graphopt.report import Report

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import graphopt
-from graphopt import FallbackKind, tiers
+from graphopt import FallbackKind
+from graphopt.backend import tiers
 from graphopt.config import tolerance
 from graphopt.report import Report
 

@@ -18,18 +18,18 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from . import _compat, cache
-from ._compat import autotune, trace_graph
-from ._compat import cache as compat_cache
-from .backend_cache import BackendCache, GraphSpec, NotStorable, device_type
-from .config import GraphOptimizationConfig
-from .config_checks import WEIGHT_COPYING_INDUCTOR_OPTIONS
+from .. import _compat, cache
+from .._compat import autotune, trace_graph
+from .._compat import cache as compat_cache
+from ..config import GraphOptimizationConfig
+from ..config_checks import WEIGHT_COPYING_INDUCTOR_OPTIONS
+from ..passes.fusion.replacement import Unkeyable
+from ..passes.manager import PassManager
+from ..report import FallbackKind, GraphRecord, Report
+from .graph_cache import BackendCache, GraphSpec, NotStorable, device_type
 from .inductor_options import RECOMPILE_OPTIONS, inductor_options
 from .lowering import lower_to_bindings
-from .passes.fusion.replacement import Unkeyable
-from .passes.manager import PassManager
 from .repack import Repackable
-from .report import FallbackKind, GraphRecord, Report
 
 
 @dataclass

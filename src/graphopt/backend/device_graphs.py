@@ -13,12 +13,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch.fx
 
-from .config import GraphOptimizationConfig
-from .report import FallbackKind, PieceRecord, Report
-from .runtime.capture import CapturedGraph, Pool
-from .runtime.fake_run import fake_run
-from .runtime.runner import GraphRunner
-from .runtime.signature import Signature, batch_candidates, signature_of
+from ..config import GraphOptimizationConfig
+from ..report import FallbackKind, PieceRecord, Report
+from ..runtime.capture import CapturedGraph, Pool
+from ..runtime.fake_run import fake_run
+from ..runtime.runner import GraphRunner
+from ..runtime.signature import Signature, batch_candidates, signature_of
 
 
 @dataclass

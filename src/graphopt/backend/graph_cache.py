@@ -27,11 +27,12 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.fx
 
-from . import _compat, cache, tiers
-from .config import GraphOptimizationConfig
-from .passes.constant_fold import FOLDED_RECIPES, FROZEN_INPUTS
-from .passes.fusion.replacement import USER_PATTERNS, Unkeyable
-from .report import FallbackKind, GraphRecord, Report
+from .. import _compat, cache
+from ..config import GraphOptimizationConfig
+from ..passes.constant_fold import FOLDED_RECIPES, FROZEN_INPUTS
+from ..passes.fusion.replacement import USER_PATTERNS, Unkeyable
+from ..report import FallbackKind, GraphRecord, Report
+from . import tiers
 
 
 @dataclass

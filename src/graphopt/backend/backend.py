@@ -4,7 +4,7 @@ For each graph Dynamo hands it, one way through (vLLM's VllmBackend):
 
     key once -> [device graphs: fake run -> split at splitting ops]
              -> each piece: load | AOTAutograd -> passes -> lowering / Inductor -> store  (compile_graph.py)
-             -> device graphs around the pieces (backend_runtime.wrap) -> back to Dynamo
+             -> device graphs around the pieces (device_graphs.wrap) -> back to Dynamo
 
 Level 1 runs the rewritten functional ATen graph as FX code. Level 2 hands the
 Dynamo graph to Inductor with graphopt's pipeline installed as Inductor's post-grad
@@ -23,17 +23,18 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx
 
-from . import _compat, executors, frozen_watch, recompiles, tiers
-from ._compat import recompile as compat_recompile
-from ._compat import trace_graph
-from ._compat.names import RECOMPILE_LIMIT
-from .backend_cache import BackendCache, GraphSpec, device_type
+from .. import _compat
+from .._compat import recompile as compat_recompile
+from .._compat import trace_graph
+from .._compat.names import RECOMPILE_LIMIT
+from ..config import AUTO_LEVEL, GraphOptimizationConfig, with_mode
+from ..passes.fusion.replacement import Unkeyable
+from ..passes.manager import check_pass_names
+from ..report import FallbackKind, Report
+from . import executors, frozen_watch, recompiles, tiers
 from .compile_graph import Compiled, GraphCompiler, records_autograd
-from .config import AUTO_LEVEL, GraphOptimizationConfig, with_mode
-from .passes.fusion.replacement import Unkeyable
-from .passes.manager import check_pass_names
+from .graph_cache import BackendCache, GraphSpec, device_type
 from .repack import Repackable
-from .report import FallbackKind, Report
 
 # Graphs each Backend may add to Dynamo's per-function recompile limit: batch size 1
 # (specialised), the dynamic graph, and recompiles after guarded changes.
@@ -93,7 +94,7 @@ class Backend:
     def refresh(self) -> int:
         """After an in-place weight update: compile again the graphs that hold Inductor's
         copies of the weights, and recompute every folded constant; returns how many."""
-        from .passes.constant_fold import refresh_folded_constants
+        from ..passes.constant_fold import refresh_folded_constants
 
         for repackable in self.repackables:
             repackable.repack()
@@ -103,7 +104,7 @@ class Backend:
 
     def capture_calls(self) -> contextlib.AbstractContextManager:
         """Calls made to capture (capture_all()): not traffic, so not counted nor planned on."""
-        from .runtime.capture_plan import not_traffic
+        from ..runtime.capture_plan import not_traffic
 
         return not_traffic()
 
@@ -162,10 +163,10 @@ class Backend:
         key = self.cache.key(gm, list(example_inputs), level, fingerprint) if bypass is None else None
         layout, options = None, None
         if mode != "none":
-            from . import backend_runtime  # the runtime is imported once a graph has device graphs
+            from . import device_graphs  # the runtime is imported once a graph has device graphs
 
             options = self._runtime_options()
-            layout = backend_runtime.analyse(gm, example_inputs, mode, options)
+            layout = device_graphs.analyse(gm, example_inputs, mode, options)
         if layout is not None and layout.unsafe:
             return (self._pieces(gm, example_inputs, level, key, fingerprint, layout, options),
                     "it is split into pieces around ops a device graph cannot replay")
@@ -175,19 +176,19 @@ class Backend:
             return compiled.fn, spec
         if isinstance(spec, GraphSpec):
             spec.signature = layout.signature
-        return backend_runtime.whole(compiled.fn, layout.signature, key, options), spec
+        return device_graphs.whole(compiled.fn, layout.signature, key, options), spec
 
     def _pieces(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], level: int, key: str | None,
                 fingerprint: str | Unkeyable, layout: Any, options: Any) -> Callable:
         """`gm` split at the nodes a device graph cannot replay: each piece keyed and
         compiled on the values it gets (the graph's own inputs real, the rest fake), the
         safe ones captured; pieces reading a number an earlier piece computes run as compiled."""
-        from . import backend_runtime
-        from .runtime import piecewise
+        from ..runtime import piecewise
+        from . import device_graphs
 
         split_gm, unsafe = piecewise.split(gm, layout.unsafe)
         real = dict(zip([n.name for n in gm.graph.nodes if n.op == "placeholder"], example_inputs))
-        pool, captured = backend_runtime.pool(options), []
+        pool, captured = device_graphs.pool(options), []
 
         def compile_piece(name: str, piece: torch.fx.GraphModule, fakes: list) -> Callable | None:
             inputs = [n.name for n in piece.graph.nodes if n.op == "placeholder"]
@@ -202,11 +203,11 @@ class Backend:
             piece_key = self.cache.key(piece, examples, level, fingerprint)
             compiled = self.compiler.compile(piece, examples, level, piece_key, fingerprint).fn
             # The graph's own inputs sit at fixed addresses; intermediates from eager pieces are copied in.
-            captured.append(backend_runtime.captured(compiled, record, options, pool, [n in real for n in inputs]))
+            captured.append(device_graphs.captured(compiled, record, options, pool, [n in real for n in inputs]))
             return captured[-1]
 
         piecewise.compile_pieces(split_gm, example_inputs, compile_piece)
-        return backend_runtime.wrap(split_gm, captured, layout.signature, key, options)
+        return device_graphs.wrap(split_gm, captured, layout.signature, key, options)
 
     def _spec(self, key: str, level: int, fingerprint: str | Unkeyable, compiled: Compiled) -> GraphSpec | str:
         """How a later process builds `compiled` again from the compile cache (its
@@ -221,7 +222,7 @@ class Backend:
                          compiled=compiled.fn if level == 2 else None)
 
     def _runtime_options(self) -> Any:
-        from .backend_runtime import RuntimeOptions
+        from .device_graphs import RuntimeOptions
 
         return RuntimeOptions(self.config, self._report, self.dynamic_dims, self.pad_values, self.graph_pools,
                               self.callers, self.replay_lock)
@@ -266,9 +267,9 @@ class Backend:
         compiled = self.compiler.rebuild(spec)
         if not spec.signature:
             return compiled
-        from . import backend_runtime
+        from . import device_graphs
 
-        return backend_runtime.whole(compiled, spec.signature, spec.key, self._runtime_options())
+        return device_graphs.whole(compiled, spec.signature, spec.key, self._runtime_options())
 
     def _level(self, device: str) -> int | str:
         """The level that runs on `device`: level 2 (and "auto") needs a C++ compiler on the CPU."""

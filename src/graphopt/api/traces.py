@@ -34,13 +34,13 @@ from typing import Any, Callable
 
 import torch
 
-from . import cache
-from ._compat import guard_sources, trace_graph
-from ._compat import recompile as compat_recompile
-from ._compat import traces as dynamo_traces
-from .backend import Backend
-from .compile_graph import records_autograd
-from .report import FallbackKind
+from .. import cache
+from .._compat import guard_sources, trace_graph
+from .._compat import recompile as compat_recompile
+from .._compat import traces as dynamo_traces
+from ..backend.backend import Backend
+from ..backend.compile_graph import records_autograd
+from ..report import FallbackKind
 
 MISS = object()       # what `StoredTraces.__call__` returns for a call Dynamo must run
 
