@@ -7,8 +7,7 @@ never the Backend: nothing in it calls back into a compile.
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch.fx
@@ -31,9 +30,9 @@ class RuntimeOptions:
     report: Report
     dynamic_dims: Mapping[str, int] | None
     pad_values: Mapping[str, float | int]
-    pools: dict[str, Any] = field(default_factory=dict)  # device -> the pool its CUDA graphs share
-    callers: set[int] = field(default_factory=set)
-    lock: Any = field(default_factory=threading.RLock)
+    pools: dict[str, Any]  # device -> the pool its CUDA graphs share
+    callers: set[int]
+    lock: Any
 
 
 @dataclass
