@@ -37,7 +37,7 @@ def build(name: str):
 def one(name: str, how: str) -> None:
     """In this process: `how`'s first call on `name`, then calls until the choice is made."""
     import graphopt
-    from graphopt import tiers
+    from graphopt.backend import tiers
 
     torch.set_num_threads(1)
     model, args = build(name)

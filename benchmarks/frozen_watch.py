@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 import graphopt
-from graphopt import frozen_watch
+from graphopt.backend import frozen_watch
 from graphopt.models import Decoder, DecoderConfig
 
 

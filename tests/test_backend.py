@@ -22,7 +22,7 @@ def test_backend_is_registered_by_name():
 
 def test_backend_entry_point_is_declared():
     (entry,) = [e for e in entry_points(group="torch_dynamo_backends") if e.name == "graphopt"]
-    assert entry.value == "graphopt.registry:graphopt_backend"
+    assert entry.value == "graphopt.backend.registry:graphopt_backend"
     assert entry.load() is graphopt.graphopt_backend
 
 
@@ -191,7 +191,7 @@ def test_a_backend_gives_its_recompile_budget_back_when_it_goes():
     import gc
 
     from graphopt._compat.recompile import recompile_limit
-    from graphopt.backend import RECOMPILE_BUDGET
+    from graphopt.backend.backend import RECOMPILE_BUDGET
 
     gc.collect()  # Backends of earlier tests that are already garbage give their share back first
     before = recompile_limit()

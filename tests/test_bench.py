@@ -16,7 +16,7 @@ from graphopt.bench import measure, output
 from graphopt.bench.measure import CaseResult, Row, compare, fill_ratios, gemm_floor
 from graphopt.bench.startup import measure_startup
 from graphopt.bench.workloads import Sizes, decoder
-from graphopt.cli import main
+from graphopt.cli.main import main
 
 # Level 2 compiles with Inductor (10-20 s a graph on a small CPU), too slow for the
 # smoke run; every other contender runs.

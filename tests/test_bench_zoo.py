@@ -7,9 +7,9 @@ import sys
 import pytest
 from rich.console import Console
 
-from graphopt import cli
 from graphopt.bench import OPT_IN, Options, output, run, zoo
 from graphopt.bench.suite import WorkloadResult
+from graphopt.cli import main as cli
 from graphopt.report import GraphRecord, Report
 
 

@@ -24,7 +24,7 @@ from support import cache_entries as entries
 
 import graphopt
 from graphopt import FallbackKind, cache
-from graphopt.backend import Backend
+from graphopt.backend.backend import Backend
 from graphopt.config import GraphOptimizationConfig
 from graphopt.models import generate
 from graphopt.report import Report
@@ -89,8 +89,8 @@ def test_level_1_hit_skips_aot_autograd_and_the_passes(decoder, tmp_path, monkey
     def refuse(*args, **kwargs):
         raise AssertionError("a level-1 hit traced again")
 
-    monkeypatch.setattr(graphopt.backend._compat, "aot_inference", refuse)
-    monkeypatch.setattr(graphopt.backend.PassManager, "run", refuse)
+    monkeypatch.setattr(graphopt._compat, "aot_inference", refuse)
+    monkeypatch.setattr(graphopt.passes.manager.PassManager, "run", refuse)
     tokens, report = run(decoder, tmp_path)
     assert torch.equal(tokens, generate(decoder, PROMPTS, 6)) and report.cache_hits == 1
 
@@ -126,7 +126,7 @@ def test_level_1_hit_on_a_step_that_returns_an_input_skips_aot_autograd(tmp_path
     def refuse(*args, **kwargs):
         raise AssertionError("a level-1 hit traced AOTAutograd again")
 
-    monkeypatch.setattr(graphopt.backend._compat, "aot_inference", refuse)
+    monkeypatch.setattr(graphopt._compat, "aot_inference", refuse)
     assert start().cache_hits == 1
 
 
@@ -152,7 +152,7 @@ def test_inductor_options_are_in_the_key():
     """Level 2's code depends on inductor_compile_config: two configs never share an entry."""
     plain = Backend(GraphOptimizationConfig(graph_opt_level=2))
     tuned = Backend(GraphOptimizationConfig(graph_opt_level=2, inductor_compile_config={"max_autotune": True}))
-    assert plain.cache.pass_uuid() != tuned.cache.pass_uuid()
+    assert plain.cache.pass_uuid(2, plain.cache.fingerprint()) != tuned.cache.pass_uuid(2, tuned.cache.fingerprint())
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "foreign"])

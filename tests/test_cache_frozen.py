@@ -20,7 +20,8 @@ import torch._dynamo
 from support import cache_entries as entries
 
 import graphopt
-from graphopt import FallbackKind, cache, cache_transfer, cli
+from graphopt import FallbackKind, cache, cache_transfer
+from graphopt.cli import main as cli
 from graphopt.config import tolerance
 from graphopt.models import generate
 

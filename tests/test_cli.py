@@ -1,7 +1,7 @@
 import pytest
 
-from graphopt import cli
-from graphopt.cli import DemoRow, main, run_demo
+from graphopt.cli import main as cli
+from graphopt.cli.main import DemoRow, main, run_demo
 
 # Levels 0 and 1 only: level 2 compiles with Inductor, too slow for a unit test.
 SMALL = ["--levels", "0,1", "--device-graphs", "1", "--batch-sizes", "1,3", "--new-tokens", "4", "--repeats", "1"]

@@ -11,7 +11,8 @@ from support import assert_close_tree, decode_inputs, unexpected_fallbacks
 from torch import nn
 
 import graphopt
-from graphopt import FallbackKind, executors
+from graphopt import FallbackKind
+from graphopt.backend import executors
 from graphopt.models import Decoder, DecoderConfig, ResNet, ResNetConfig
 
 

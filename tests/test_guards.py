@@ -7,7 +7,7 @@ from support import Switch
 
 import graphopt
 from graphopt import FallbackKind
-from graphopt.guards import keep_input_guards
+from graphopt.api.guards import keep_input_guards
 
 
 def optimized(guards, **kw):

@@ -3,7 +3,7 @@ import torch
 from support import aot_graph
 
 import graphopt
-from graphopt.lowering import lower_to_bindings
+from graphopt.backend.lowering import lower_to_bindings
 
 aten = torch.ops.aten
 

@@ -11,7 +11,7 @@ import torch
 
 import graphopt
 from graphopt._compat import recompile as compat_recompile
-from graphopt.backend import RECOMPILE_BUDGET
+from graphopt.backend.backend import RECOMPILE_BUDGET
 from graphopt.config import tolerance
 
 ATOL, RTOL = tolerance(torch.float32)

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 import graphopt
-from graphopt import FallbackKind, tiers
+from graphopt import FallbackKind
 from graphopt._compat import background
+from graphopt.backend import tiers
 from graphopt.config import tolerance
 from graphopt.report import Report
 

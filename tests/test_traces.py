@@ -20,9 +20,10 @@ import torch._dynamo
 from support import cache_entries as entries
 
 import graphopt
-from graphopt import FallbackKind, traces
+from graphopt import FallbackKind
 from graphopt._compat import guard_sources
-from graphopt.backend import Backend
+from graphopt.api import traces
+from graphopt.backend.backend import Backend
 from graphopt.models import decoder as decoder_module
 from graphopt.models import generate
 

@@ -5,14 +5,15 @@ optionally compile it with Inductor, and replay it as a device graph.
 """
 
 from ._compat import register_dynamo_backend
-from .api import DynamicDims, OptimizedFunction, OptimizedModule, optimize, support_graph_optimization
-from .backend import Backend
+from .api.optimize import OptimizedFunction, OptimizedModule, optimize, support_graph_optimization
+from .api.step import DynamicDims
+from .backend.backend import Backend
+from .backend.recompiles import RecompileError
+from .backend.registry import backends, graphopt_backend
 from .config import MODES, GraphOptimizationConfig
 from .passes.base import PassResult
 from .passes.fusion.replacement import fwd_only, register_replacement
 from .passes.manager import PassVerificationError
-from .recompiles import RecompileError
-from .registry import backends, graphopt_backend
 from .report import FallbackKind, Report
 from .runtime.analysis.safety import CaptureError, CaptureProblem, check
 from .runtime.graphs import device_graph as DeviceGraph

@@ -232,7 +232,8 @@ class CompileCache:
             return None
         return payload
 
-    def store(self, key: str, payload: Any) -> None:
+    def store(self, key: str, payload: Any) -> bool:
+        """Store `payload` under `key`; whether it was written (a failure is reported)."""
         try:
             # Outside the compiler's FakeTensorMode: pickling a CUDA tensor copies it to the host.
             with _compat.outside_fake_mode():
@@ -241,20 +242,21 @@ class CompileCache:
             self.report.fallback(FallbackKind.CACHE_NOT_STORED,
                                  f"cache_dir: a compiled graph could not be serialised ({type(error).__name__}: "
                                  f"{error}); it is compiled again in every process")
-            return
-        self.write(key, body)
+            return False
+        return self.write(key, body)
 
-    def write(self, key: str, body: bytes) -> None:
-        """Write the entry `key` holding `body` (a pickle), signed with this directory's key."""
+    def write(self, key: str, body: bytes) -> bool:
+        """Write the entry `key` holding `body` (a pickle), signed with this directory's key;
+        whether it was written."""
         path = self.path(key)
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as error:
             self._unwritable(path, error)
-            return
+            return False
         signing_key = self._signing_key()
         if signing_key is None:
-            return
+            return False
         header = {"format": FORMAT, "key": key, **versions(), "hmac": cache_trust.sign(signing_key, key, body)}
         try:
             path.parent.mkdir(mode=0o700, exist_ok=True)
@@ -264,6 +266,8 @@ class CompileCache:
             os.replace(temporary, path)
         except OSError as error:
             self._unwritable(path, error)
+            return False
+        return True
 
     def _unwritable(self, path: Path, error: OSError) -> None:
         self.report.fallback(FallbackKind.CACHE_NOT_STORED,
@@ -290,10 +294,11 @@ class CompileCache:
         return self._key
 
     def store_compile(self, key: str, records: dict, graph: torch.fx.GraphModule | None,
-                      lowered: torch.fx.GraphModule | None = None, leave_out: Collection[str] = ()) -> None:
+                      lowered: torch.fx.GraphModule | None = None, leave_out: Collection[str] = ()) -> dict | None:
         """Store a compile: its report records, its final graph (for `graphs()`, where
         it can be stored) and, at level 1, the lowered graph that runs, both without
-        the attributes named in `leave_out`. Counted as a miss."""
+        the attributes named in `leave_out`. Counted as a miss. Returns the entry
+        stored, or None where it could not be."""
         self.report.cache_misses += 1
         try:
             runs = dump_graph(lowered, leave_out) if lowered is not None else None
@@ -301,12 +306,13 @@ class CompileCache:
             self.report.fallback(FallbackKind.CACHE_NOT_STORED,
                                  f"cache_dir: a graph could not be stored ({error}); it is compiled "
                                  "again in every process")
-            return
+            return None
         try:
             final = dump_graph(graph, leave_out) if graph is not None else None
         except ValueError:
             final = None  # level 2 runs Inductor's code: only graphs() misses it on a hit
-        self.store(key, {**records, "graph": final, "lowered": runs})
+        entry = {**records, "graph": final, "lowered": runs}
+        return entry if self.store(key, entry) else None
 
     def restore(self, stored: dict, record: GraphRecord) -> None:
         """Report a hit as its compile was reported: the graph's record, its passes,

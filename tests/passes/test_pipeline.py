@@ -109,11 +109,9 @@ def test_level_2_takes_inductor_options_and_refresh_repacks_packed_weights(monke
     the C++ GEMM template packing frozen weights at compile time, refresh() compiles
     the graph again (without Inductor's caches), so the output follows an in-place
     weight update instead of reading stale packed copies."""
-    from graphopt import backend
-
     seen = []
     compile_ = _compat.inductor_compile
-    monkeypatch.setattr(backend._compat, "inductor_compile",
+    monkeypatch.setattr(_compat, "inductor_compile",
                         lambda gm, inputs, post, uuid, options: seen.append(options) or
                         compile_(gm, inputs, post, uuid, options))
     model = Projection().eval()
@@ -142,11 +140,9 @@ def test_level_2_with_frozen_weights_times_each_gemm_and_keeps_the_faster(monkey
     """On the CPU with freeze_parameters=True, level 2 lets Inductor time each GEMM with
     its C++ template (packed weights) and with ATen's, and keep the faster; the report
     lists each choice with its times. The user's inductor_compile_config can switch it off."""
-    from graphopt import backend
-
     seen = []
     compile_ = _compat.inductor_compile
-    monkeypatch.setattr(backend._compat, "inductor_compile",
+    monkeypatch.setattr(_compat, "inductor_compile",
                         lambda gm, inputs, post, uuid, options: seen.append(options) or
                         compile_(gm, inputs, post, uuid, options))
     model = Projection(96, 64).eval()  # a weight folded into a constant, which the C++ template packs

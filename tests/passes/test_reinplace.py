@@ -3,8 +3,8 @@ import torch
 from support import aot_graph, targets
 
 import graphopt
+from graphopt.backend.lowering import lower_to_bindings
 from graphopt.config import tolerance
-from graphopt.lowering import lower_to_bindings
 from graphopt.passes.constant_fold import fold_constants
 from graphopt.passes.reinplace import inplace_variant, reinplace_input_mutations, reinplace_intermediates
 

@@ -1,4 +1,4 @@
-"""The compiled graph a stored trace calls, for `graphopt/backend.py`: `TraceGraph`
+"""The compiled graph a stored trace calls, for `graphopt/backend/backend.py`: `TraceGraph`
 (Dynamo's `SerializableCallable`, so that a trace carrying it can be saved) and
 Inductor's compiled code bundled with it (level 2).
 """

@@ -4,7 +4,7 @@ A trace is what Dynamo makes of one call of a step: the frame's rewritten byteco
 its guards and the compiled graph it calls. `trace()` makes one without running the
 step (`torch.compile(fn, fullgraph=True, ...).aot_compile(...)`); `dumps()` / `loads()`
 carry it to another process (`torch.compiler.load_compiled_function`), where
-`guards_pass()` and `run()` use it without Dynamo tracing again. Guards Dynamo cannot
+`guards_pass()` and `runnable()` use it without Dynamo tracing again. Guards Dynamo cannot
 store (object identities) go to the caller's filter, which keeps its own record.
 
 graphopt's own code, for what torch's does not do:
@@ -331,10 +331,10 @@ def guards_pass(traced: Any, frame: dict[str, Any]) -> bool:
     return bool(traced._artifacts.guard_manager.check(frame))
 
 
-def run(traced: Any, args: tuple, kwargs: dict) -> Any:
-    """The trace's bytecode on a call whose guards `guards_pass` passed (torch's own
-    `__call__` would check them again)."""
-    return traced.fn(*args, **kwargs)
+def runnable(traced: Any) -> Callable:
+    """The trace's bytecode as a function, to call where `guards_pass` passed (torch's
+    own `__call__` would check them again)."""
+    return traced.fn
 
 
 def changed_source(traced: Any) -> str | None:

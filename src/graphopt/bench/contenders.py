@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from ..api import optimize
+from ..api.optimize import optimize
+from ..backend.executors import onnxruntime_session, openvino_runner, quiet_export
 from ..config import GraphOptimizationConfig
 from ..config_checks import EXECUTORS
-from ..executors import onnxruntime_session, openvino_runner, quiet_export
 from ..report import FallbackKind, Report
 from .measure import GraphFigures
 from .workloads import Step, Workload

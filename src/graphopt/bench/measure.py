@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from .. import tiers
 from .._compat.names import tree_leaves, tree_map
+from ..backend import tiers
 from .workloads import Case, Step
 
 EAGER = "eager"

@@ -16,11 +16,11 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from . import _compat
-from ._compat import names
-from ._compat.names import tree_map
-from .bindings import exact_binding
-from .kernels import IMPLEMENTATIONS
+from .. import _compat
+from .._compat import names
+from .._compat.names import tree_map
+from ..bindings import exact_binding
+from ..kernels import IMPLEMENTATIONS
 
 _BINDING_NAMESPACES = (names.FUNCTIONS, names.NN, names.TENSOR)
 

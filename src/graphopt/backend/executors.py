@@ -31,11 +31,12 @@ import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import _compat, candidates
-from ._compat.names import TorchDispatchMode
-from .config import GraphOptimizationConfig
-from .kernels.collective import is_collective_op
-from .report import FallbackKind, Report, first_line
+from .. import _compat
+from .._compat.names import TorchDispatchMode
+from ..config import GraphOptimizationConfig
+from ..kernels.collective import is_collective_op
+from ..report import FallbackKind, Report, first_line
+from . import candidates
 
 # An engine must beat graphopt's median by this much: a tie is not worth leaving torch for.
 MARGIN = 0.95

@@ -10,7 +10,7 @@ from typing import Any, Callable, Hashable, Sequence, TypeVar
 
 import torch
 
-from .config import tolerance
+from ..config import tolerance
 
 Name = TypeVar("Name", bound=Hashable)
 

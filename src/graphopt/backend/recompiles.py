@@ -15,8 +15,8 @@ from __future__ import annotations
 import re
 import warnings
 
-from ._compat import recompile as compat
-from .report import Report
+from .._compat import recompile as compat
+from ..report import Report
 
 
 class RecompileError(RuntimeError):

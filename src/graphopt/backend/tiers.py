@@ -30,10 +30,10 @@ from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
+from .._compat import background
+from ..config import GraphOptimizationConfig
+from ..report import FallbackKind, Report, first_line
 from . import candidates
-from ._compat import background
-from .config import GraphOptimizationConfig
-from .report import FallbackKind, Report, first_line
 
 LEVELS = (1, 2)
 # Level 2 must beat level 1 by this much: level 1 compiles in seconds and replays as one

@@ -27,9 +27,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import _compat
-from .passes.constant_fold import FROZEN_INPUTS
-from .report import FallbackKind
+from .. import _compat
+from ..passes.constant_fold import FROZEN_INPUTS
+from ..report import FallbackKind
 
 _version = operator.attrgetter("_version")
 # Assignments of parameters, buffers and modules anywhere in the process (see _count_assignments).

@@ -22,12 +22,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from . import bench, cache_transfer, cache_trust
-from .api import optimize
-from .bench import zoo
-from .cli_args import int_in, int_list, names
-from .config import GRAPH_OPT_LEVELS, GraphOptimizationConfig, default_cache_dir
-from .models import Decoder, DecoderConfig, generate
+from .. import bench, cache_transfer, cache_trust
+from ..api.optimize import optimize
+from ..bench import zoo
+from ..config import GRAPH_OPT_LEVELS, GraphOptimizationConfig, default_cache_dir
+from ..models import Decoder, DecoderConfig, generate
+from .args import int_in, int_list, names
 
 TINY = DecoderConfig.tiny()
 DOCS_PAGE = Path("docs/benchmarks.md")  # where `graphopt bench --docs` writes, from the checkout's root

@@ -21,9 +21,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import _compat
+from .. import _compat
+from ..config import GraphOptimizationConfig
 from .backend import Backend
-from .config import GraphOptimizationConfig
 
 # id of a torch.compile call -> its Backend; the call's finalizer drops the entry, so an id
 # is never read after its call is gone.

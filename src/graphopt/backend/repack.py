@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch.fx
 
-from .report import Report
+from ..report import Report
 
 
 class Repackable:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _compat
-from ._compat import autotune
+from .. import _compat
+from .._compat import autotune
 
 
 def inductor_options(device_type: str, cached: bool, frozen: bool = False) -> dict[str, Any]:

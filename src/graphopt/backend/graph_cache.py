@@ -21,17 +21,18 @@ import contextlib
 import hashlib
 import json
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx
 
-from . import _compat, cache, tiers
-from .config import GraphOptimizationConfig
-from .passes.constant_fold import FOLDED_RECIPES, FROZEN_INPUTS
-from .passes.fusion.replacement import USER_PATTERNS, Unkeyable
-from .report import FallbackKind, GraphRecord, Report
+from .. import _compat, cache
+from ..config import GraphOptimizationConfig
+from ..passes.constant_fold import FOLDED_RECIPES, FROZEN_INPUTS
+from ..passes.fusion.replacement import USER_PATTERNS, Unkeyable
+from ..report import FallbackKind, GraphRecord, Report
+from . import tiers
 
 
 @dataclass
@@ -44,6 +45,12 @@ class GraphSpec:
     signature: Any = None            # with device graphs: the GraphRunner's Signature
     inductor: bytes | None = None    # level 2: Inductor's compiled graph, serialized
     passes: str | None = None        # BackendCache.pass_uuid() it was compiled under
+    # Level 2, in the compiling process: Inductor's compiled graph, which `inductor` serializes
+    # when a trace is stored; never pickled.
+    compiled: Any = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        return {name: value for name, value in self.__dict__.items() if name != "compiled"}
 
 
 # Passes read constants up to this many elements for their values (algebraic.py's fill values).
@@ -75,59 +82,66 @@ class BackendCache:
         finally:
             self.disk = disk
 
-    def bypass(self) -> str | None:
+    @staticmethod
+    def fingerprint() -> str | Unkeyable:
+        """The user patterns' fingerprint, or why they cannot be keyed: what every key
+        of a graph reads, so a compile asks for it once."""
+        try:
+            return USER_PATTERNS.fingerprint()
+        except Unkeyable as why:
+            return why
+
+    def bypass(self, fingerprint: str | Unkeyable) -> str | None:
         """Why this Backend's graphs do not go through the compile cache, or None."""
         config = self.config
         if self.disk is None:
             return "the compile cache is off (cache_dir=None)"
         if config.verify or config.debug_dump_dir:
             return "verify and debug_dump_dir ask for every pass to run"
-        try:
-            USER_PATTERNS.fingerprint()
-        except Unkeyable as why:
-            return str(why)
-        return None
+        return str(fingerprint) if isinstance(fingerprint, Unkeyable) else None
 
-    def key(self, gm: torch.fx.GraphModule, inputs: list, level: int | str | None = None) -> str | None:
-        """The compile cache's key for `gm` at `level` (None: the config's), or None
-        where the cache is not used."""
-        bypass = self.bypass()
-        if bypass is not None:
-            if self.disk is not None:
-                self.report.fallback(FallbackKind.CACHE_OFF,
-                                     f"cache_dir: {bypass}, so graphs are compiled without the compile cache")
+    def note_bypass(self, fingerprint: str | Unkeyable) -> None:
+        """Log, once per compile, why a graph is compiled without the compile cache."""
+        bypass = self.bypass(fingerprint)
+        if bypass is not None and self.disk is not None:
+            self.report.fallback(FallbackKind.CACHE_OFF,
+                                 f"cache_dir: {bypass}, so graphs are compiled without the compile cache")
+
+    def key(self, gm: torch.fx.GraphModule, inputs: list, level: int | str,
+            fingerprint: str | Unkeyable) -> str | None:
+        """The compile cache's key for `gm` at `level`, or None where the cache is not used."""
+        if self.bypass(fingerprint) is not None:
             return None
         device = device_type(inputs)
         # Dynamo guards on these, and AOTAutograd traces differently under them.
         modes = f"grad={torch.is_grad_enabled()} autocast={torch.is_autocast_enabled(device)}"
-        return cache.cache_key(self.pass_uuid(level), cache.describe_graph(gm, inputs), device, modes)
+        return cache.cache_key(self.pass_uuid(level, fingerprint), cache.describe_graph(gm, inputs), device, modes)
 
     def load(self, key: str | None) -> dict | None:
         return None if key is None else self.disk.load(key)
 
     def store(self, key: str | None, records: dict, graph: torch.fx.GraphModule,
               lowered: torch.fx.GraphModule | None = None, inputs: list | None = None,
-              covered: set[int] | None = None) -> None:
-        """Store a compile. With frozen weights, `inputs` (the graph's real inputs) and,
-        at level 2, `covered` (the indices of those the key covers) say where they are."""
+              covered: set[int] | None = None) -> dict | None:
+        """Store a compile; returns the entry stored, None where none was. With frozen
+        weights, `inputs` (the graph's real inputs) and, at level 2, `covered` (the
+        indices of those the key covers) say where they are."""
         if key is None:
-            return
+            return None
         if not self.config.freeze_parameters:
-            self.disk.store_compile(key, records, graph, lowered)
-            return
+            return self.disk.store_compile(key, records, graph, lowered)
         try:
             if lowered is None:  # level 2 keeps no graph: only graphs() misses it on a hit
                 _check_covered(graph, inputs or [], covered or set())
-                self.disk.store_compile(key, records, None)
-                return
+                return self.disk.store_compile(key, records, None)
             frozen = frozen_entry(graph, inputs or [])
         except ValueError as error:
             self.report.cache_misses += 1
             self.report.fallback(FallbackKind.CACHE_NOT_STORED,
                                  f"cache_dir: a frozen graph could not be stored ({error}); it is compiled "
                                  "again in every process")
-            return
-        self.disk.store_compile(key, {**records, "frozen": frozen}, graph, lowered, leave_out=frozen["values"])
+            return None
+        return self.disk.store_compile(key, {**records, "frozen": frozen}, graph, lowered, leave_out=frozen["values"])
 
     def graphs(self, stored: dict | None, inputs: list,
                kinds: list[str]) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule | None] | None:
@@ -154,9 +168,9 @@ class BackendCache:
         """The stored final graph; none for a frozen one, whose values `graphs` folds."""
         return cache.load_graph(stored["graph"]) if stored["graph"] is not None and "frozen" not in stored else None
 
-    def frozen_keys(self, key: str, gm: torch.fx.GraphModule, inputs: list,
+    def frozen_keys(self, key: str, passes: str, gm: torch.fx.GraphModule, inputs: list,
                     kinds: list[str]) -> tuple[str, str, set[int]]:
-        """Level 2 with frozen weights: `key` and the passes' uuid Inductor keys on, both
+        """Level 2 with frozen weights: `key` and the passes' uuid Inductor keys on (`passes`), both
         covering the values of every parameter and of every buffer the Dynamo graph
         `gm` does not write (a KV cache changes every step), which Inductor's code may
         hold; and the indices of the inputs they cover."""
@@ -164,7 +178,7 @@ class BackendCache:
         written = {lifted + i for i in written_buffers(gm, kinds[lifted:])}
         covered = [i for i in weight_indices(inputs, kinds) if i not in written]
         digest = hashlib.sha256("".join(f"{i}:{cache.tensor_digest(inputs[i])};" for i in covered).encode())
-        return (cache.cache_key(key, digest.hexdigest()), cache.cache_key(self.pass_uuid(2), digest.hexdigest()),
+        return (cache.cache_key(key, digest.hexdigest()), cache.cache_key(passes, digest.hexdigest()),
                 set(covered))
 
     def store_choice(self, key: str | None, choice: dict) -> None:
@@ -179,23 +193,20 @@ class BackendCache:
             return {}
         return {**stored, "cached": True}
 
-    def pass_uuid(self, level: int | str | None = None) -> str:
+    def pass_uuid(self, level: int | str, fingerprint: str | Unkeyable) -> str:
         """What, besides the graph, decides what the passes make of it: the config
-        fields they read and the user's patterns (graphopt and torch's versions are in
-        every cache key). Inductor's FX graph cache keys on it too; "" where the
-        patterns cannot be keyed, which Inductor takes as a pass it must not cache."""
+        fields they read and the user's patterns (`fingerprint`; graphopt and torch's
+        versions are in every cache key). Inductor's FX graph cache keys on it too; ""
+        where the patterns cannot be keyed, which Inductor takes as a pass it must not cache."""
+        if isinstance(fingerprint, Unkeyable):
+            return ""
         config = self.config
-        fields = {"graph_opt_level": config.graph_opt_level if level is None else level,
-                  "disabled_passes": sorted(config.disabled_passes),
+        fields = {"graph_opt_level": level, "disabled_passes": sorted(config.disabled_passes),
                   "freeze_parameters": config.freeze_parameters,
                   "compute_dtype": config.compute_dtype, "precision_tolerance": config.precision_tolerance,
                   "weight_quantization": config.weight_quantization,
                   "inductor_compile_config": config.inductor_compile_config}
-        try:
-            patterns = USER_PATTERNS.fingerprint()
-        except Unkeyable:
-            return ""
-        return cache.cache_key(json.dumps(fields, sort_keys=True), patterns)
+        return cache.cache_key(json.dumps(fields, sort_keys=True), fingerprint)
 
 
 def weight_indices(inputs: list, kinds: list[str]) -> list[int]:

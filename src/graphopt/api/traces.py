@@ -34,12 +34,13 @@ from typing import Any, Callable
 
 import torch
 
-from . import cache
-from ._compat import guard_sources, trace_graph
-from ._compat import recompile as compat_recompile
-from ._compat import traces as dynamo_traces
-from .backend import Backend, records_autograd
-from .report import FallbackKind
+from .. import cache
+from .._compat import guard_sources, trace_graph
+from .._compat import recompile as compat_recompile
+from .._compat import traces as dynamo_traces
+from ..backend.backend import Backend
+from ..backend.compile_graph import records_autograd
+from ..report import FallbackKind
 
 MISS = object()       # what `StoredTraces.__call__` returns for a call Dynamo must run
 
@@ -61,6 +62,7 @@ class _Trace:
     bound: bool = False                # its graph is built (Backend.rebuild)
     refused: str | None = None
     records_autograd: bool = False     # traced in grad mode with inputs that require grad
+    run: Callable | None = field(default=None, repr=False)  # its bytecode, once loaded or traced
 
     @property
     def ready(self) -> bool:
@@ -105,7 +107,7 @@ class StoredTraces:
                 trace = self._fitting(full, kwargs, ready_only=False) or self._trace(args, full, kwargs)
             if trace is None:
                 return MISS
-        return dynamo_traces.run(trace.traced, full, kwargs)
+        return trace.run(*full, **kwargs)
 
     def _read(self) -> None:
         entry = self.cache.load(self.key) or {"traces": [], "unstorable": None}
@@ -163,7 +165,7 @@ class StoredTraces:
         if changed is not None:
             self._refuse(trace, f"the source of {changed} changed since it was traced")
             return False
-        trace.traced = traced
+        trace.traced, trace.run = traced, dynamo_traces.runnable(traced)
         return True
 
     def _found(self, trace: _Trace, frame: dict) -> dict[str, Any] | None:
@@ -213,7 +215,8 @@ class StoredTraces:
         # As Dynamo counts: a new graph for a step that already ran one in this process.
         report.recompiles += any(t.bound for t in self.traces)
         trace = _Trace(None, {}, torch.is_inference_mode_enabled(), traced, objects, _identity_check(objects),
-                       bound=True, records_autograd=records_autograd(dynamo_traces.call_tensors(full, kwargs)))
+                       bound=True, records_autograd=records_autograd(dynamo_traces.call_tensors(full, kwargs)),
+                       run=dynamo_traces.runnable(traced))
         self.traces.append(trace)
         self._store(trace, problems[0] if problems else None)
         return trace

@@ -1,0 +1,209 @@
+"""One graph (or one piece of one) compiled at a level, through the compile cache:
+
+    load its entry -> hit: the stored code (level 1) or records (level 2)
+                   -> miss: AOTAutograd -> passes -> level 1 lowering | level 2 Inductor -> store
+
+`GraphCompiler.compile` returns what runs and the entry it loaded or stored (None
+where nothing was stored), so no caller reads back what was just written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+
+from .. import _compat, cache
+from .._compat import autotune, trace_graph
+from .._compat import cache as compat_cache
+from ..config import GraphOptimizationConfig
+from ..config_checks import WEIGHT_COPYING_INDUCTOR_OPTIONS
+from ..passes.fusion.replacement import Unkeyable
+from ..passes.manager import PassManager
+from ..report import FallbackKind, GraphRecord, Report
+from .graph_cache import BackendCache, GraphSpec, NotStorable, device_type
+from .inductor_options import RECOMPILE_OPTIONS, inductor_options
+from .lowering import lower_to_bindings
+from .repack import Repackable
+
+
+@dataclass
+class Compiled:
+    """What runs for one graph, and its compile cache entry (loaded or stored; None without one)."""
+
+    fn: Callable
+    entry: dict | None = None
+
+
+class GraphCompiler:
+    """Compiles graphs for one Backend: its config, report and cache, and the lists
+    refresh() reads (the final graphs, the compiles holding Inductor's weight copies)."""
+
+    def __init__(self, config: GraphOptimizationConfig, report: Report, cache_: BackendCache,
+                 graph_modules: list[torch.fx.GraphModule], repackables: list):
+        self.config, self.report, self.cache = config, report, cache_
+        self.graph_modules, self.repackables = graph_modules, repackables
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], level: int,
+                key: str | None, fingerprint: str | Unkeyable) -> Compiled:
+        """`gm` at `level`, its entry under `key` (None: the cache is bypassed, which is
+        logged); `fingerprint`: the user patterns' (BackendCache.fingerprint)."""
+        if level == 0:
+            return Compiled(gm.forward)
+        if key is None:
+            self.cache.note_bypass(fingerprint)
+        record = GraphRecord(index=len(self.report.graphs))
+        self.report.graphs.append(record)
+        real_inputs = _aot_args(gm, [_compat.concrete(x) for x in example_inputs])
+        kinds = ["parameter"] * (len(real_inputs) - len(example_inputs)) + _compat.input_kinds(gm)
+        start = time.perf_counter()
+        if level == 1:
+            compiled = self._level1(gm, example_inputs, record, real_inputs, kinds, key)
+        else:
+            compiled = self._inductor(gm, example_inputs, record, real_inputs, kinds, key,
+                                      self.cache.pass_uuid(2, fingerprint))
+        record.compile_seconds = time.perf_counter() - start
+        return compiled
+
+    def _level1(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], record: GraphRecord,
+                real_inputs: list, kinds: list[str], key: str | None) -> Compiled:
+        """Level 1: AOTAutograd, the passes, lowering. Where AOTAutograd's runtime
+        wrapper would only call the graph, the graph runs without it (a cache hit
+        then skips AOTAutograd too); a cache hit skips the passes."""
+        inference = not records_autograd(real_inputs)
+        if not inference and key is not None:
+            # AOTAutograd compiles the forward and, at the first backward, the backward
+            # through the same compiler, and an entry holds one graph.
+            self.report.fallback(FallbackKind.CACHE_OFF,
+                                 "cache_dir: a graph that records autograd (grad mode on, inputs that require "
+                                 "grad) is compiled without the compile cache")
+            key = None
+        stored = self.cache.load(key)
+        graphs = self.cache.graphs(stored, real_inputs, kinds)  # frozen values folded from this process's weights
+        if graphs is not None and stored["direct"] is not None:
+            self._restore(stored, record, graphs[1])
+            return Compiled(compat_cache.call_like_aot(graphs[0], stored["direct"]), stored)
+        entry = stored if graphs is not None else None
+        direct: list[Callable] = []
+
+        def fw_compiler(aot_gm: torch.fx.GraphModule, _fake_inputs: list) -> Callable:
+            nonlocal entry
+            if graphs is not None:
+                self._restore(stored, record, graphs[1])
+                return _compat.boxed(graphs[0])
+            records = self._optimize(aot_gm, record, real_inputs, kinds, level=1)
+            lowered = lower_to_bindings(aot_gm)
+            graph_inputs = len(aot_gm.graph.find_nodes(op="placeholder"))
+            dims = compat_cache.aot_wrapper_output_dims(graph_inputs, len(example_inputs), inference)
+            entry = self.cache.store(key, {**records, "direct": dims}, aot_gm, lowered, real_inputs)
+            if dims is not None:
+                direct.append(compat_cache.call_like_aot(lowered, dims))
+            return _compat.boxed(lowered)
+
+        compiled = _compat.aot_inference(gm, example_inputs, fw_compiler)
+        return Compiled(direct[0] if direct else compiled, entry)
+
+    def _inductor(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], record: GraphRecord,
+                  real_inputs: list, kinds: list[str], key: str | None, passes: str) -> Compiled:
+        """Level 2. Inductor's own caches hold the compiled code; graphopt's holds the
+        records of the passes, which a hit in Inductor's cache skips, and the GEMM
+        choices, which it does not make. With frozen weights both are keyed on their values."""
+        covered = None
+        if key is not None and self.config.freeze_parameters:
+            key, passes, covered = self.cache.frozen_keys(key, passes, gm, real_inputs, kinds)
+        entry = self.cache.load(key)
+        optimized: list[tuple[torch.fx.GraphModule, dict]] = []
+
+        def post_grad_pass(graph: torch.fx.Graph) -> None:
+            optimized.append((graph.owning_module, self._optimize(graph.owning_module, record, real_inputs, kinds, 2)))
+
+        autotune.hide_inductor_storage_warning()
+        autotune.hide_cuda_home_warning()
+        options = {**inductor_options(device_type(real_inputs), cached=key is not None,
+                                      frozen=self.config.freeze_parameters),
+                   **self.config.inductor_compile_config}
+        # With the cache on, AOTAutograd's entry holds the compiled code itself, so a
+        # stored trace can carry it (traces.py); a frozen graph's trace is not stored, and
+        # its code is found by Inductor's FX graph cache, which keys on the graph AOTAutograd
+        # made (AOTAutograd's own key differs between processes for a full-graph capture).
+        bundled = key is not None and not self.config.freeze_parameters
+        with trace_graph.bundled_inductor_cache() if bundled else contextlib.nullcontext(), \
+                autotune.gemm_choices() as gemms:
+            compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, passes, options)
+            if key is not None and not optimized and entry is None:
+                # Inductor's cache had the code but graphopt's records are gone: compile once more for them.
+                options["force_disable_caches"] = True
+                compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, passes, options)
+        record.gemms = gemms
+        if optimized:
+            records = optimized[-1][1]
+            records["record"]["gemms"] = dict(gemms)
+            entry = self.cache.store(key, {**records, "direct": None}, optimized[-1][0], inputs=real_inputs,
+                                     covered=covered)
+        elif entry is not None:
+            self._restore(entry, record)
+        # Code from Inductor's cache holds its own copies of frozen weights, as do some options' code.
+        renews = not optimized or any(options.get(k) for k in WEIGHT_COPYING_INDUCTOR_OPTIONS)
+        if self.config.freeze_parameters and renews:
+            inputs = list(example_inputs)
+            again = functools.partial(_compat.inductor_compile, gm, inputs, post_grad_pass, passes,
+                                      {**options, **RECOMPILE_OPTIONS})
+            compiled = Repackable(compiled, again, optimized, self.graph_modules, self.report,
+                                  held=[inputs, real_inputs])
+            self.repackables.append(compiled)
+        return Compiled(compiled, entry)
+
+    def rebuild(self, spec: GraphSpec) -> Callable:
+        """In a later process: the compiled graph of `spec` from the compile cache,
+        reported as a cache hit. Raises NotStorable when the cache no longer has the
+        graph, or when the passes that made it differ from this Backend's."""
+        if spec.passes is None or spec.passes != self.cache.pass_uuid(spec.level, self.cache.fingerprint()):
+            raise NotStorable("graphopt's settings or the registered replacements changed since it was stored")
+        stored = self.cache.load(spec.key)
+        if stored is None or (spec.level == 1 and stored["lowered"] is None):
+            raise NotStorable(f"its graph ({spec.key[:12]}) is no longer in the compile cache")
+        if "frozen" in stored:
+            raise NotStorable("its graph binds the weights of the process that compiles it")
+        record = GraphRecord(index=len(self.report.graphs))
+        self.report.graphs.append(record)
+        start = time.perf_counter()
+        if spec.level == 1:
+            compiled = compat_cache.call_like_aot(cache.load_graph(stored["lowered"]), stored["direct"])
+        else:
+            compiled = trace_graph.load_inductor(spec.inductor)
+        self._restore(stored, record)
+        record.compile_seconds = time.perf_counter() - start
+        record.traced = False
+        return compiled
+
+    def _optimize(self, gm: torch.fx.GraphModule, record: GraphRecord, inputs: list, kinds: list[str],
+                  level: int) -> dict:
+        config = self.config if self.config.graph_opt_level == level else self.config.replace(graph_opt_level=level)
+        records = PassManager(config, self.report).optimize(gm, record, inputs, kinds)
+        self.graph_modules.append(gm)
+        return records
+
+    def _restore(self, stored: dict, record: GraphRecord, graph: torch.fx.GraphModule | None = None) -> None:
+        """The stored records into `record`; `graph` (else the stored final graph) to what refresh() folds."""
+        self.cache.restore(stored, record)
+        graph = self.cache.final_graph(stored) if graph is None else graph
+        if graph is not None:
+            self.graph_modules.append(graph)
+
+
+def records_autograd(values: Sequence[Any]) -> bool:
+    """Grad mode is on and a tensor among `values` requires grad: a graph of them
+    records autograd history, and at level 1 is compiled without the compile cache."""
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in values)
+
+
+def _aot_args(gm: torch.fx.GraphModule, inputs: list) -> list:
+    """AOTAutograd's inputs: the Dynamo graph's own parameters and buffers (none
+    when Dynamo lifts them, as torch >= 2.5 does), then Dynamo's inputs."""
+    return [*dict(gm.named_parameters(remove_duplicate=False)).values(),
+            *dict(gm.named_buffers(remove_duplicate=False)).values(), *inputs]

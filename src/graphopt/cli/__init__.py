@@ -1,0 +1,1 @@
+"""The `graphopt` command (main.py) and its option types (args.py)."""
