@@ -206,7 +206,10 @@ class Backend:
             captured.append(device_graphs.captured(compiled, record, options, pool, [n in real for n in inputs]))
             return captured[-1]
 
-        piecewise.compile_pieces(split_gm, example_inputs, compile_piece)
+        for name, piece, fakes in piecewise.pieces_on_fakes(split_gm, example_inputs):
+            runner = compile_piece(name, piece, fakes)
+            if runner is not None:
+                split_gm.__dict__[name] = runner  # found before the submodule of that name
         return device_graphs.wrap(split_gm, captured, layout.signature, key, options)
 
     def _spec(self, key: str, level: int, fingerprint: str | Unkeyable, compiled: Compiled) -> GraphSpec | str:

@@ -4,14 +4,15 @@ FastDeploy do), so the safe pieces can be captured and the rest run between repl
     before:  x = a(x); i = nonzero(m); y = b(x, i)              one graph, not capturable
     after:   submod_0 = a | submod_1 = nonzero | submod_2 = b    0 and 2 captured, 1 runs eagerly
 
-The splitting nodes come from `fake_run.py`. Pieces are compiled one by one, on
-the fake values the graph has at their inputs (vLLM's piecewise compile).
+The splitting nodes come from `fake_run.py`. The backend compiles the pieces one by
+one, on the fake values the graph has at their inputs (`pieces_on_fakes`; vLLM's
+piecewise compile).
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch.fx
 from torch.fx.passes.split_module import split_module
@@ -57,20 +58,21 @@ def _tuple_outputs(split_gm: torch.fx.GraphModule) -> None:
     split_gm.recompile()
 
 
-def compile_pieces(split_gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                   compile_piece: Callable[[str, torch.fx.GraphModule, list], Callable | None]) -> None:
-    """Run `split_gm` on fake values, calling `compile_piece(name, piece, fake
-    inputs)` for each piece in order; a callable it returns replaces the piece."""
+def pieces_on_fakes(split_gm: torch.fx.GraphModule,
+                    example_inputs: Sequence[Any]) -> Iterator[tuple[str, torch.fx.GraphModule, list]]:
+    """(name, piece, the fake values it gets) for each piece of `split_gm` in order, when
+    the graph runs on the fakes of `example_inputs`. Every piece runs before the first is
+    handed out (compiling one may change its graph), and they are handed out inside the
+    graph's fake mode, where they ran."""
+    calls = []
 
-    class _Compiler(torch.fx.Interpreter):
+    class _Recorder(torch.fx.Interpreter):
         def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
             piece = self.fetch_attr(target)
-            output = piece(*args, **kwargs)  # before compiling: AOTAutograd may change the piece's graph
-            replacement = compile_piece(target, piece, list(args))
-            if replacement is not None:
-                split_gm.__dict__[target] = replacement  # found before the submodule of that name
-            return output
+            calls.append((target, piece, list(args)))
+            return piece(*args, **kwargs)
 
     fake_mode, fakes = _compat.backend_fakes(example_inputs)
     with _compat.fake_tracing(fake_mode):
-        _Compiler(split_gm).run(*fakes)
+        _Recorder(split_gm).run(*fakes)
+        yield from calls
