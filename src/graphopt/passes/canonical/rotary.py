@@ -42,15 +42,17 @@ def canonicalize_rotary(gm: torch.fx.GraphModule) -> PassResult:
     and sine are c and s: GPT-J's interleaved rotary with each of cos and sin
     repeated over its pair. Only where the rewritten sum has the original's dtype
     and strides (views after it rely on them); sites already in a fused form are
-    left as they are.
+    left as they are. At level 2 only the second: Inductor makes one kernel of any
+    real spelling itself, but leaves complex products to ATen.
     """
     mode = _compat.fake_mode_of(gm) or contextlib.nullcontext()
+    level = gm.meta.get("graphopt_level", 1)
     tables: dict[torch.fx.Node, tuple] = {}  # freqs_cis -> its (cos, sin), shared by q and k
     sums = products = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
-        if node.target is aten.add.Tensor and _rewrite_sum(gm, node, mode):
+        if node.target is aten.add.Tensor and level == 1 and _rewrite_sum(gm, node, mode):
             sums += 1
         elif node.target in _VIEWS and _rewrite_complex(gm, node, mode, tables):
             products += 1
@@ -171,15 +173,18 @@ def _rewrite_complex(gm: torch.fx.GraphModule, node: torch.fx.Node, mode: Any, t
     else:
         return False
     paired, val = made.args[0], value_of(node)
-    x = paired.args[0] if paired.target in _VIEWS else None
-    if x is None or value_of(x) is None or val is None or value_of(freqs) is None \
-            or not _compat.same_sizes(value_of(x).shape, val.shape) or not value_of(freqs).is_complex() \
-            or value_of(freqs).dim() > value_of(made).dim():
+    if value_of(paired) is None or val is None or value_of(freqs) is None or not value_of(freqs).is_complex() \
+            or value_of(freqs).dim() > value_of(made).dim() or not isinstance(val.shape[-1], int) \
+            or not _compat.same_sizes(value_of(paired).shape[:-2], val.shape[:-1]):
         return False
     writer = _Writer(gm, node, mode)
     if freqs not in tables:
         tables[freqs] = writer.table(freqs, val.shape[-1])
-    return tables[freqs] is not None and writer.rotary(x, *tables[freqs], True)
+    if tables[freqs] is None:
+        return False
+    # x as the pairs' [..., d / 2, 2] view of it, viewed back: what was viewed may have had another shape.
+    x = writer.call(aten.view.default, paired, writer.sizes(paired)[:-2] + [val.shape[-1]])
+    return x is not None and writer.rotary(x, *tables[freqs], True)
 
 
 class _Writer:
@@ -205,13 +210,13 @@ class _Writer:
     def table(self, freqs: torch.fx.Node, width: int) -> tuple | None:
         """freqs' real and imaginary parts, each repeated over its pair: [..., d]."""
         parts = self.call(aten.view_as_real.default, freqs)
-        sizes = list(value_of(freqs).shape[:-1]) + [width]
-        if parts is None or not all(isinstance(s, int) for s in sizes):
+        sizes = self.sizes(freqs)[:-1] + [width]
+        if parts is None:
             return self.undo()
         found = []
         for index in (0, 1):
             part = self.call(aten.select.int, parts, -1, index)
-            pair = part and self.call(aten.stack.default, [part, part], -1)
+            pair = part and self.stack([part, part])
             found.append(pair and self.call(aten.view.default, pair, sizes))
         if None in found:
             return self.undo()
@@ -222,8 +227,8 @@ class _Writer:
         rank, width = value_of(x).dim(), value_of(x).shape[-1]
         if pairs:
             odd, even = (self.call(aten.slice.Tensor, x, rank - 1, start, _END, 2) for start in (1, 0))
-            stacked = self.call(aten.stack.default, [self.call(aten.neg.default, odd), even], -1)
-            turned = self.call(aten.view.default, stacked, self._sizes(x))
+            stacked = self.stack([self.call(aten.neg.default, odd), even])
+            turned = self.call(aten.view.default, stacked, self.sizes(x))
         else:
             first = self.call(aten.slice.Tensor, x, rank - 1, 0, width // 2)
             second = self.call(aten.slice.Tensor, x, rank - 1, width // 2, _END)
@@ -237,7 +242,14 @@ class _Writer:
         self.undo()
         return False
 
-    def _sizes(self, x: torch.fx.Node) -> list:
+    def stack(self, parts: list) -> torch.fx.Node | None:
+        """`stack(parts, -1)`; at level 2 as Inductor decomposes it, since Inductor
+        refuses `stack` in a graph after its decompositions."""
+        if self.gm.meta.get("graphopt_level", 1) != 2:
+            return self.call(aten.stack.default, parts, -1)
+        return self.call(aten.cat.default, [self.call(aten.unsqueeze.default, p, -1) for p in parts], -1)
+
+    def sizes(self, x: torch.fx.Node) -> list:
         """x's sizes for a view: numbers, and `sym_size` nodes where symbolic."""
         return [s if isinstance(s, int) else self.call(aten.sym_size.int, x, i)
                 for i, s in enumerate(value_of(x).shape)]
