@@ -5,7 +5,9 @@ eager's values; what is not a rotation stays as it is."""
 import pytest
 import torch
 from support import aot_graph, targets
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from graphopt._compat import patterns
 from graphopt.config import tolerance
 from graphopt.passes.canonical.rotary import canonicalize_rotary
 from graphopt.passes.cleanup import cse
@@ -145,3 +147,80 @@ def test_each_spelling_becomes_one_op_for_q_and_k(name):
     assert not LEFT & set(left), left
     pairs = name.startswith(("gptj", "meta"))
     assert [n.args[3:] for n in graph.gm.graph.nodes if n.target is ROTARY] == [(True,) if pairs else ()] * 2
+
+
+def test_bfloat16_complex_form():
+    """Meta's `x.float()` ... `.type_as(x)` around the complex product: the op runs on
+    the float32 copy, the cast back stays."""
+    freqs_cis = torch.polar(torch.ones(S, D // 2), angles())
+    graph, (canonical, fused) = rewrite(meta, (*qk(heads_first=False, dtype=torch.bfloat16), freqs_cis))
+    assert canonical == {"complex_rotary": 2} and fused == {"rotary_embedding": 2}
+    assert aten.view_as_complex.default not in targets(graph)
+
+
+def level_2_graph(fn, args):
+    """`fn`'s graph as Inductor decomposes it, after canonicalize_rotary; outputs equal eager's."""
+    mode = FakeTensorMode()
+    with mode:
+        gm = patterns.trace_forward(fn, [mode.from_tensor(a) for a in args], patterns.inductor_decompositions())
+    gm.meta["graphopt_level"] = 2
+    counts = canonicalize_rotary(gm).counts
+    gm.graph.lint()
+    gm.recompile()
+    with torch.no_grad():
+        for actual, expected in zip(gm(*args), fn(*args)):
+            torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    return gm, counts
+
+
+def test_level_2_rewrites_only_complex_products():
+    """Inductor compiles any real spelling into one kernel, but not a complex product:
+    that becomes real math, its pairs stacked as Inductor decomposes `stack`."""
+    for name, (fn, args) in cases().items():
+        gm, counts = level_2_graph(fn, args)
+        assert counts == ({"complex_rotary": 2} if name == "meta complex" else {}), name
+    left = targets(gm)
+    assert not {aten.view_as_complex.default, aten.stack.default} & set(left), left
+
+
+def flipped_rotation(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return cos * x + torch.cat((x2, -x1), dim=-1) * sin
+
+
+def unequal_halves(x, cos, sin):
+    x1, x2 = torch.split(x, [6, 10], dim=-1)
+    return cos * x + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def pairs_not_swapped(x, cos, sin):
+    return sin * torch.stack((-x[..., ::2], x[..., 1::2]), dim=-1).flatten(-2) + cos * x
+
+
+def another_tensor_rotated(x, cos, sin):
+    return cos * x + by_chunk(x + 1) * sin
+
+
+def rotation_read_elsewhere(x, cos, sin):
+    turned = by_chunk(x)
+    return cos * x + turned * sin, turned
+
+
+def complex_left_complex(x, freqs):
+    """The product's pairs are returned unflattened: no real [..., d] value to rewrite."""
+    return torch.view_as_real(torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2)) * freqs)
+
+
+@pytest.mark.parametrize("fn", [flipped_rotation, unequal_halves, pairs_not_swapped, another_tensor_rotated,
+                                rotation_read_elsewhere, complex_left_complex], ids=lambda f: f.__name__)
+def test_what_is_not_a_rotary_embedding_is_left_alone(fn):
+    x, _ = qk()
+    if fn is complex_left_complex:
+        args = (x, torch.polar(torch.ones(S, D // 2), angles())[None, None])
+    else:
+        cos, sin = halves_table()
+        args = (x, cos.unsqueeze(1), sin.unsqueeze(1))
+    graph = aot_graph(fn, *args)
+    before = targets(graph)
+    assert canonicalize_rotary(graph.gm).counts == {} and fuse_rotary(graph.gm).counts == {}
+    assert targets(graph) == before

@@ -72,12 +72,13 @@ def _rewrite_sum(gm: torch.fx.GraphModule, node: torch.fx.Node, mode: Any) -> bo
 
 def _sum_site(node: torch.fx.Node) -> tuple | None:
     """(x, cos, sin, pairs, canonical) when `node` adds `x * cos` and `rotate(x) * sin`
-    (each product read only by the sum), in any order."""
+    in any order, the products and the rotation read only by the sum (a fused chain
+    that something else reads is computed twice)."""
     if len(node.args) != 2 or node.kwargs or not all(_product(a) for a in node.args):
         return None
     for plain, rotated in (node.args, reversed(node.args)):
         for turned, sin in (rotated.args, reversed(rotated.args)):
-            found = _rotation(turned)
+            found = _rotation(turned) if len(turned.users) == 1 else None
             if found is None or found[0] not in plain.args or sin is found[0]:
                 continue
             x, pairs, spelled = found
