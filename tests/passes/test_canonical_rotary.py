@@ -12,6 +12,7 @@ from graphopt.config import tolerance
 from graphopt.passes.canonical.rotary import canonicalize_rotary
 from graphopt.passes.cleanup import cse
 from graphopt.passes.fusion.rotary import fuse_rotary
+from graphopt.passes.redundant import remove_redundant
 
 aten = torch.ops.aten
 ROTARY = torch.ops.graphopt.rotary_embedding.default
@@ -105,6 +106,13 @@ def meta(q, k, freqs_cis):
     return turn(q), turn(k)
 
 
+def meta_rows(q, k, freqs_cis):
+    """Meta's form read as rows [b * s * h, d] (as a cache write reads it): cleanup merges
+    the flatten after the product with this view, and the projection's view before it."""
+    q, k = (x.reshape(B, S, -1).reshape(*x.shape) for x in (q, k))
+    return tuple(x.reshape(-1, D) for x in meta(q, k, freqs_cis))
+
+
 def cases():
     cos, sin = halves_table()
     pcos, psin = pairs_table()
@@ -115,14 +123,16 @@ def cases():
             "heads last": (heads_last, (*qk(heads_first=False), cos, sin)),
             "gptj": (gptj, (*qk(), pcos, psin)),
             "gptj, flipped": (gptj_flipped, (*qk(heads_first=False), pcos[:, None], psin[:, None])),
-            "meta complex": (meta, (*qk(heads_first=False), freqs_cis))}
+            "meta complex": (meta, (*qk(heads_first=False), freqs_cis)),
+            "meta complex, views merged": (meta_rows, (*qk(heads_first=False), freqs_cis))}
 
 
 def rewrite(fn, args):
-    """`fn`'s ATen graph after CSE, canonicalize_rotary and fuse_rotary: the graph and
+    """`fn`'s ATen graph after CSE, remove_redundant, canonicalize_rotary and fuse_rotary: the graph and
     the two passes' counts. Outputs equal eager's."""
     graph = aot_graph(fn, *args)
     cse(graph.gm)
+    remove_redundant(graph.gm)
     counts = [canonicalize_rotary(graph.gm).counts, fuse_rotary(graph.gm).counts]
     graph.gm.graph.lint()
     graph.gm.recompile()
@@ -141,7 +151,7 @@ def test_each_spelling_becomes_one_op_for_q_and_k(name):
     assert fused == {"rotary_embedding": 2}, (canonical, targets(graph))
     assert bool(canonical) == (name != "gptj"), canonical  # GPT-J's own form is the fused one
     left = targets(graph)
-    if name == "meta complex":  # cos and sin made once from freqs_cis, for q and k
+    if name.startswith("meta"):  # cos and sin made once from freqs_cis, for q and k
         assert left.count(aten.view_as_real.default) == 1 and left.count(aten.stack.default) == 2, left
         left = [t for t in left if t not in (aten.view_as_real.default, aten.stack.default)]
     assert not LEFT & set(left), left
@@ -178,7 +188,7 @@ def test_level_2_rewrites_only_complex_products():
     that becomes real math, its pairs stacked as Inductor decomposes `stack`."""
     for name, (fn, args) in cases().items():
         gm, counts = level_2_graph(fn, args)
-        assert counts == ({"complex_rotary": 2} if name == "meta complex" else {}), name
+        assert counts == ({"complex_rotary": 2} if name.startswith("meta") else {}), name
     left = targets(gm)
     assert not {aten.view_as_complex.default, aten.stack.default} & set(left), left
 

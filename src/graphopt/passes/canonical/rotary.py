@@ -19,6 +19,8 @@ aten = torch.ops.aten
 _END = 9223372036854775807  # how a trace writes an open-ended slice
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
+# How each join orders the parts it turns: (-second half, first half), (-odd, even).
+_JOINS = {aten.cat.default: ("second", "first"), aten.stack.default: ("odd", "even")}
 
 
 def canonicalize_rotary(gm: torch.fx.GraphModule) -> PassResult:
@@ -38,9 +40,8 @@ def canonicalize_rotary(gm: torch.fx.GraphModule) -> PassResult:
     The first: the halves of x's last dim taken by `split`/`chunk` are the slices
     `rotate_half` takes, and the products and the sum are written in any operand
     order. The second (Meta's Llama): a complex product (a + ib)(c + is) is
-    (ac - bs) + i(as + bc), the rotation of the pair (a, b) by the angle whose cosine
-    and sine are c and s: GPT-J's interleaved rotary with each of cos and sin
-    repeated over its pair. Only where the rewritten sum has the original's dtype
+    (ac - bs) + i(as + bc), GPT-J's interleaved rotary of the pair (a, b) with cos c
+    and sin s, each repeated over its pair (for any freqs_cis, unit or not). Only where the rewritten sum has the original's dtype
     and strides (views after it rely on them); sites already in a fused form are
     left as they are. At level 2 only the second: Inductor makes one kernel of any
     real spelling itself, but leaves complex products to ATen.
@@ -96,27 +97,22 @@ def _product(node: Any) -> bool:
 def _rotation(node: torch.fx.Node) -> tuple | None:
     """(x, pairs, spelled as fuse_rotary matches it) when `node` is x's halves or
     neighbouring pairs (a, b) turned into (-b, a) along x's last dim."""
-    if node.target is aten.cat.default and len(node.args) == 2 and len(node.args[0]) == 2:
-        (negated, first), dim = node.args
-        parts = _negated(negated), _part(first)
-        if None in parts or parts[0][0] is not parts[1][0] or (parts[0][1], parts[1][1]) != ("second", "first"):
-            return None
-        x = parts[0][0]
-        if dim % value_of(x).dim() != value_of(x).dim() - 1:
-            return None
-        return x, False, parts[0][2] and parts[1][2]
-    if node.target in _VIEWS and isinstance(node.args[0], torch.fx.Node) \
-            and node.args[0].target is aten.stack.default and len(node.args[0].args) == 2:
-        (negated, first), dim = node.args[0].args
-        parts = _negated(negated), _part(first)
-        if None in parts or parts[0][0] is not parts[1][0] or (parts[0][1], parts[1][1]) != ("odd", "even"):
-            return None
-        x = parts[0][0]
-        if dim % (value_of(x).dim() + 1) != value_of(x).dim() or not _compat.same_sizes(
-                value_of(node).shape, value_of(x).shape):
-            return None
-        return x, True, True
-    return None
+    pairs = node.target in _VIEWS and isinstance(node.args[0], torch.fx.Node) \
+        and node.args[0].target is aten.stack.default
+    joined = node.args[0] if pairs else node
+    if joined.target not in _JOINS or len(joined.args) != 2 or len(joined.args[0]) != 2:
+        return None
+    (negated, kept), dim = joined.args
+    parts = _negated(negated), _part(kept)
+    if None in parts or parts[0][0] is not parts[1][0] or (parts[0][1], parts[1][1]) != _JOINS[joined.target]:
+        return None
+    x, rank = parts[0][0], value_of(parts[0][0]).dim()
+    # cat joins along x's last dim; stack makes a new dim after it, which the view flattens back.
+    if not isinstance(dim, int) or dim % (rank + pairs) != rank - 1 + pairs:
+        return None
+    if pairs and (value_of(node) is None or not _compat.same_sizes(value_of(node).shape, value_of(x).shape)):
+        return None
+    return x, pairs, parts[0][2] and parts[1][2]
 
 
 def _negated(node: Any) -> tuple | None:
@@ -173,18 +169,20 @@ def _rewrite_complex(gm: torch.fx.GraphModule, node: torch.fx.Node, mode: Any, t
             break
     else:
         return False
-    paired, val = made.args[0], value_of(node)
-    if value_of(paired) is None or val is None or value_of(freqs) is None or not value_of(freqs).is_complex() \
-            or value_of(freqs).dim() > value_of(made).dim() or not isinstance(val.shape[-1], int) \
-            or not _compat.same_sizes(value_of(paired).shape[:-2], val.shape[:-1]):
+    paired = made.args[0]
+    if value_of(paired) is None or value_of(freqs) is None or not value_of(freqs).is_complex() \
+            or value_of(freqs).dim() > value_of(made).dim() or not isinstance(value_of(paired).shape[-2], int):
         return False
+    width = 2 * value_of(paired).shape[-2]
     writer = _Writer(gm, node, mode)
     if freqs not in tables:
-        tables[freqs] = writer.table(freqs, val.shape[-1])
+        tables[freqs] = writer.table(freqs, width)
     if tables[freqs] is None:
         return False
-    # x as the pairs' [..., d / 2, 2] view of it, viewed back: what was viewed may have had another shape.
-    x = writer.call(aten.view.default, paired, writer.sizes(paired)[:-2] + [val.shape[-1]])
+    # x and the result [..., d]: the views on either side may have been merged with others (a reshape
+    # of the projection before, of the cache write after), so x is the pairs flattened back, and the
+    # result is viewed as `node` was.
+    x = writer.call(aten.view.default, paired, writer.sizes(paired)[:-2] + [width])
     return x is not None and writer.rotary(x, *tables[freqs], True)
 
 
@@ -237,6 +235,9 @@ class _Writer:
         plain, rotated = self.call(aten.mul.Tensor, x, cos), self.call(aten.mul.Tensor, turned, sin)
         for order in ((plain, rotated), (rotated, plain)):
             total = self.call(aten.add.Tensor, *order)
+            if total is not None and self.node.target in _VIEWS \
+                    and not _compat.same_shape(value_of(total), value_of(self.node)):
+                total = self.call(self.node.target, total, self.node.args[1])
             if total is not None and _same(value_of(total), value_of(self.node)):
                 self.node.replace_all_uses_with(total)
                 return True
