@@ -41,9 +41,9 @@ def canonicalize_rotary(gm: torch.fx.GraphModule) -> PassResult:
     `rotate_half` takes, and the products and the sum are written in any operand
     order. The second (Meta's Llama): a complex product (a + ib)(c + is) is
     (ac - bs) + i(as + bc), GPT-J's interleaved rotary of the pair (a, b) with cos c
-    and sin s, each repeated over its pair (for any freqs_cis, unit or not). Only where the rewritten sum has the original's dtype
-    and strides (views after it rely on them); sites already in a fused form are
-    left as they are. At level 2 only the second: Inductor makes one kernel of any
+    and sin s, each repeated over its pair (for any freqs_cis, unit or not). Only
+    where the rewritten sum has the original's dtype and strides (views after it rely
+    on them); sites already in a fused form are left as they are. At level 2 only the second: Inductor makes one kernel of any
     real spelling itself, but leaves complex products to ATen.
     """
     mode = _compat.fake_mode_of(gm) or contextlib.nullcontext()
