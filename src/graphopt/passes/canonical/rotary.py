@@ -43,8 +43,9 @@ def canonicalize_rotary(gm: torch.fx.GraphModule) -> PassResult:
     (ac - bs) + i(as + bc), GPT-J's interleaved rotary of the pair (a, b) with cos c
     and sin s, each repeated over its pair (for any freqs_cis, unit or not). Only
     where the rewritten sum has the original's dtype and strides (views after it rely
-    on them); sites already in a fused form are left as they are. At level 2 only the second: Inductor makes one kernel of any
-    real spelling itself, but leaves complex products to ATen.
+    on them); sites already in a fused form are left as they are. At level 2 only
+    the second: Inductor makes one kernel of any real spelling itself, but leaves
+    complex products to ATen.
     """
     mode = _compat.fake_mode_of(gm) or contextlib.nullcontext()
     level = gm.meta.get("graphopt_level", 1)
