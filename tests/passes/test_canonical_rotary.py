@@ -114,17 +114,22 @@ def meta_rows(q, k, freqs_cis):
 
 
 def cases():
+    """The real spellings, rewritten (or, GPT-J's, matched as they are) at level 1."""
     cos, sin = halves_table()
     pcos, psin = pairs_table()
-    freqs_cis = torch.polar(torch.ones(S, D // 2), angles())
     return {"chunk, cos first": (chunk_cos_first, (*qk(), cos, sin)),
             "split, sin first": (split_sin_first, (*qk(), cos, sin)),
             "slices, all flipped": (slices_all_flipped, (*qk(heads_first=False), cos, sin)),
             "heads last": (heads_last, (*qk(heads_first=False), cos, sin)),
             "gptj": (gptj, (*qk(), pcos, psin)),
-            "gptj, flipped": (gptj_flipped, (*qk(heads_first=False), pcos[:, None], psin[:, None])),
-            "meta complex": (meta, (*qk(heads_first=False), freqs_cis)),
-            "meta complex, views merged": (meta_rows, (*qk(heads_first=False), freqs_cis))}
+            "gptj, flipped": (gptj_flipped, (*qk(heads_first=False), pcos[:, None], psin[:, None]))}
+
+
+def complex_cases(dtype=torch.float32):
+    """Meta's complex products, rewritten at level 2."""
+    freqs_cis = torch.polar(torch.ones(S, D // 2), angles())
+    return {"meta complex": (meta, (*qk(heads_first=False, dtype=dtype), freqs_cis)),
+            "meta complex, views merged": (meta_rows, (*qk(heads_first=False, dtype=dtype), freqs_cis))}
 
 
 def rewrite(fn, args):
@@ -150,47 +155,55 @@ def test_each_spelling_becomes_one_op_for_q_and_k(name):
     graph, (canonical, fused) = rewrite(fn, args)
     assert fused == {"rotary_embedding": 2}, (canonical, targets(graph))
     assert bool(canonical) == (name != "gptj"), canonical  # GPT-J's own form is the fused one
-    left = targets(graph)
-    if name.startswith("meta"):  # cos and sin made once from freqs_cis, for q and k
-        assert left.count(aten.view_as_real.default) == 1 and left.count(aten.stack.default) == 2, left
-        left = [t for t in left if t not in (aten.view_as_real.default, aten.stack.default)]
-    assert not LEFT & set(left), left
-    pairs = name.startswith(("gptj", "meta"))
+    assert not LEFT & set(targets(graph)), targets(graph)
+    pairs = name.startswith("gptj")
     assert [n.args[3:] for n in graph.gm.graph.nodes if n.target is ROTARY] == [(True,) if pairs else ()] * 2
 
 
-def test_bfloat16_complex_form():
-    """Meta's `x.float()` ... `.type_as(x)` around the complex product: the op runs on
-    the float32 copy, the cast back stays."""
-    freqs_cis = torch.polar(torch.ones(S, D // 2), angles())
-    graph, (canonical, fused) = rewrite(meta, (*qk(heads_first=False, dtype=torch.bfloat16), freqs_cis))
-    assert canonical == {"complex_rotary": 2} and fused == {"rotary_embedding": 2}
-    assert aten.view_as_complex.default not in targets(graph)
-
-
 def level_2_graph(fn, args):
-    """`fn`'s graph as Inductor decomposes it, after canonicalize_rotary; outputs equal eager's."""
+    """`fn`'s graph as Inductor decomposes it, after CSE, remove_redundant and
+    canonicalize_rotary: the graph and the pass's counts. Outputs equal eager's."""
     mode = FakeTensorMode()
     with mode:
         gm = patterns.trace_forward(fn, [mode.from_tensor(a) for a in args], patterns.inductor_decompositions())
     gm.meta["graphopt_level"] = 2
+    cse(gm)
+    remove_redundant(gm)
     counts = canonicalize_rotary(gm).counts
     gm.graph.lint()
     gm.recompile()
     with torch.no_grad():
         for actual, expected in zip(gm(*args), fn(*args)):
-            torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+            atol, rtol = tolerance(expected.dtype)
+            torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
     return gm, counts
 
 
-def test_level_2_rewrites_only_complex_products():
-    """Inductor compiles any real spelling into one kernel, but not a complex product:
-    that becomes real math, its pairs stacked as Inductor decomposes `stack`."""
-    for name, (fn, args) in cases().items():
-        gm, counts = level_2_graph(fn, args)
-        assert counts == ({"complex_rotary": 2} if name.startswith("meta") else {}), name
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(complex_cases()))
+def test_level_2_makes_complex_products_real_math(name, dtype):
+    """Inductor compiles real math into its kernels but leaves a complex product to
+    ATen: at level 2 it becomes GPT-J's pairs (stacked as Inductor decomposes
+    `stack`), cos and sin made once from freqs_cis for q and k."""
+    gm, counts = level_2_graph(*complex_cases(dtype)[name])
+    assert counts == {"complex_rotary": 2}
     left = targets(gm)
     assert not {aten.view_as_complex.default, aten.stack.default} & set(left), left
+    assert left.count(aten.view_as_real.default) == 1, left
+
+
+def test_level_2_leaves_real_spellings_to_inductor():
+    """Inductor makes one kernel of any of them itself."""
+    for name, (fn, args) in cases().items():
+        assert level_2_graph(fn, args)[1] == {}, name
+
+
+def test_level_1_keeps_complex_products():
+    """A complex product is one ATen kernel, which the fused op does not beat."""
+    fn, args = complex_cases()["meta complex"]
+    graph = aot_graph(fn, *args)
+    before = targets(graph)
+    assert canonicalize_rotary(graph.gm).counts == {} and targets(graph) == before
 
 
 def flipped_rotation(x, cos, sin):
@@ -222,15 +235,17 @@ def complex_left_complex(x, freqs):
 
 
 @pytest.mark.parametrize("fn", [flipped_rotation, unequal_halves, pairs_not_swapped, another_tensor_rotated,
-                                rotation_read_elsewhere, complex_left_complex], ids=lambda f: f.__name__)
+                                rotation_read_elsewhere], ids=lambda f: f.__name__)
 def test_what_is_not_a_rotary_embedding_is_left_alone(fn):
     x, _ = qk()
-    if fn is complex_left_complex:
-        args = (x, torch.polar(torch.ones(S, D // 2), angles())[None, None])
-    else:
-        cos, sin = halves_table()
-        args = (x, cos.unsqueeze(1), sin.unsqueeze(1))
-    graph = aot_graph(fn, *args)
+    cos, sin = halves_table()
+    graph = aot_graph(fn, x, cos.unsqueeze(1), sin.unsqueeze(1))
     before = targets(graph)
     assert canonicalize_rotary(graph.gm).counts == {} and fuse_rotary(graph.gm).counts == {}
     assert targets(graph) == before
+
+
+def test_complex_product_left_complex_is_left_alone():
+    x, _ = qk()
+    freqs_cis = torch.polar(torch.ones(S, D // 2), angles())[None, None]
+    assert level_2_graph(complex_left_complex, (x, freqs_cis))[1] == {}

@@ -37,15 +37,17 @@ def canonicalize_rotary(gm: torch.fx.GraphModule) -> PassResult:
         after:   f = aten.view_as_real(freqs_cis);  cos = view(stack([f[..., 0]] * 2, -1), [1, 8, 1, 16])
                  y = aten.add(aten.mul(x, cos), aten.mul(rotate_pairs(x), sin))   (sin from f[..., 1])
 
-    The first: the halves of x's last dim taken by `split`/`chunk` are the slices
-    `rotate_half` takes, and the products and the sum are written in any operand
-    order. The second (Meta's Llama): a complex product (a + ib)(c + is) is
-    (ac - bs) + i(as + bc), GPT-J's interleaved rotary of the pair (a, b) with cos c
-    and sin s, each repeated over its pair (for any freqs_cis, unit or not). Only
-    where the rewritten sum has the original's dtype and strides (views after it rely
-    on them); sites already in a fused form are left as they are. At level 2 only
-    the second: Inductor makes one kernel of any real spelling itself, but leaves
-    complex products to ATen.
+    The first, at level 1: the halves of x's last dim taken by `split`/`chunk` are
+    the slices `rotate_half` takes, and the products and the sum are written in any
+    operand order (at level 2 Inductor makes one kernel of any real spelling
+    itself). The second (Meta's Llama), at level 2: a complex product (a + ib)(c + is)
+    is (ac - bs) + i(as + bc), GPT-J's interleaved rotary of the pair (a, b) with
+    cos c and sin s, each repeated over its pair (for any freqs_cis, unit or not);
+    Inductor compiles that into its kernels, where it leaves a complex product to
+    ATen. At level 1 the complex product stays: it is one ATen kernel, which the
+    fused op (a product and two multiply-adds) does not beat. Only where the
+    rewritten sum has the original's dtype and strides (views after it rely on
+    them); sites already in a fused form are left as they are.
     """
     mode = _compat.fake_mode_of(gm) or contextlib.nullcontext()
     level = gm.meta.get("graphopt_level", 1)
@@ -56,7 +58,7 @@ def canonicalize_rotary(gm: torch.fx.GraphModule) -> PassResult:
             continue
         if node.target is aten.add.Tensor and level == 1 and _rewrite_sum(gm, node, mode):
             sums += 1
-        elif node.target in _VIEWS and _rewrite_complex(gm, node, mode, tables):
+        elif node.target in _VIEWS and level == 2 and _rewrite_complex(gm, node, mode, tables):
             products += 1
     if sums or products:
         gm.graph.eliminate_dead_code()
