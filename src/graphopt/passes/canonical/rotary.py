@@ -51,7 +51,7 @@ def canonicalize_rotary(gm: torch.fx.GraphModule) -> PassResult:
     """
     mode = _compat.fake_mode_of(gm) or contextlib.nullcontext()
     level = gm.meta.get("graphopt_level", 1)
-    tables: dict[torch.fx.Node, tuple] = {}  # freqs_cis -> its (cos, sin), shared by q and k
+    tables: dict[torch.fx.Node, tuple] = {}  # freqs_cis -> its (cos, sin, nodes made), shared by q and k
     sums = products = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
@@ -60,6 +60,9 @@ def canonicalize_rotary(gm: torch.fx.GraphModule) -> PassResult:
             sums += 1
         elif node.target in _VIEWS and level == 2 and _rewrite_complex(gm, node, mode, tables):
             products += 1
+    for made in reversed([n for kept in tables.values() if kept for n in kept[2]]):
+        if not made.users:  # made for sites that were then left alone
+            gm.graph.erase_node(made)
     if sums or products:
         gm.graph.eliminate_dead_code()
     counts = {name: n for name, n in (("rotary", sums), ("complex_rotary", products)) if n}
@@ -182,11 +185,12 @@ def _rewrite_complex(gm: torch.fx.GraphModule, node: torch.fx.Node, mode: Any, t
         tables[freqs] = writer.table(freqs, width)
     if tables[freqs] is None:
         return False
+    cos, sin, _ = tables[freqs]
     # x and the result [..., d]: the views on either side may have been merged with others (a reshape
     # of the projection before, of the cache write after), so x is the pairs flattened back, and the
     # result is viewed as `node` was.
     x = writer.call(aten.view.default, paired, writer.sizes(paired)[:-2] + [width])
-    return x is not None and writer.rotary(x, *tables[freqs], True)
+    return x is not None and writer.rotary(x, cos, sin, True)
 
 
 class _Writer:
@@ -210,7 +214,8 @@ class _Writer:
         self.made = []
 
     def table(self, freqs: torch.fx.Node, width: int) -> tuple | None:
-        """freqs' real and imaginary parts, each repeated over its pair: [..., d]."""
+        """(cos, sin, the nodes made): freqs' real and imaginary parts, each repeated
+        over its pair, [..., d]."""
         parts = self.call(aten.view_as_real.default, freqs)
         sizes = self.sizes(freqs)[:-1] + [width]
         if parts is None:
@@ -222,8 +227,8 @@ class _Writer:
             found.append(pair and self.call(aten.view.default, pair, sizes))
         if None in found:
             return self.undo()
-        self.made = []  # kept: the sites that read them keep them alive
-        return tuple(found)
+        made, self.made = self.made, []  # kept for this site and the others that read freqs
+        return (*found, made)
 
     def rotary(self, x: torch.fx.Node, cos: torch.fx.Node, sin: torch.fx.Node, pairs: bool) -> bool:
         rank, width = value_of(x).dim(), value_of(x).shape[-1]
