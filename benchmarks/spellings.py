@@ -8,10 +8,12 @@ Dynamo's cache); in it every variant has its own copy of the model (the same
 weights, its own KV cache), is checked against eager, and all are timed in
 interleaved rounds. graphopt runs level 1 with host graphs and level 2 without
 (Inductor's kernels cannot be recorded on one); "before" is graphopt with
-`disabled_passes` naming the canonicalization passes.
+`disabled_passes` naming the canonicalization passes (`--before`: these passes).
 
     OMP_NUM_THREADS=1 python benchmarks/spellings.py --threads 1
     python benchmarks/spellings.py --spellings baddbmm grouped --rounds 30
+    python benchmarks/spellings.py --spellings sdpa grouped --before canonicalize_rotary
+    python benchmarks/spellings.py --spellings baddbmm --before fuse_rotary
 """
 
 from __future__ import annotations
@@ -36,14 +38,14 @@ from graphopt.passes.canonical import canonical_passes  # noqa: E402
 HIDDEN, LAYERS, POSITION = 256, 4, 20
 
 
-def _variants(name: str, batches: list[int]) -> dict:
+def _variants(name: str, batches: list[int], before: list[str]) -> dict:
     def model():
         return SPELLINGS[name](hidden=HIDDEN, layers=LAYERS).eval()
 
     def graphopt_step(level: int, canonical: bool):
         config = graphopt.GraphOptimizationConfig(
             graph_opt_level=level, use_cudagraph=level == 1, cudagraph_capture_sizes=batches, cache_dir=None,
-            disabled_passes=[] if canonical else list(canonical_passes()))
+            disabled_passes=[] if canonical else before)
         return graphopt.optimize(model(), config)
 
     auto = graphopt.GraphOptimizationConfig(graph_opt_level="auto", cudagraph_capture_sizes=batches, cache_dir=None)
@@ -64,9 +66,9 @@ def _check(variants: dict, batches: list[int]) -> None:
                                            msg=lambda m: f"{label}, batch {batch}: {m}")
 
 
-def run_one(name: str, batches: list[int], rounds: int, steps: int) -> None:
+def run_one(name: str, batches: list[int], rounds: int, steps: int, before: list[str]) -> None:
     torch._dynamo.config.cache_size_limit = 64  # six variants, two batch sizes, one code object
-    variants = _variants(name, batches)
+    variants = _variants(name, batches, before)
     _check(variants, batches)
     graphopt.backend.tiers.wait_for_background()  # level 2's code is in: each graph's next call chooses, checked
     _check(variants, batches)
@@ -76,10 +78,11 @@ def run_one(name: str, batches: list[int], rounds: int, steps: int) -> None:
         medians = {label: statistics.median(times[label, batch]) for label in variants}
         row = [f"{medians[label]:8.0f} ({compiled / medians[label]:.2f}x)" for label in variants]
         print(f"| {name} | {batch} | " + " | ".join(row) + " |", flush=True)
-    fused = {label: [g.fused_ops.get("decode_attention", 0) for g in step.report().graphs]
-             for label, step in variants.items() if hasattr(step, "report")}
+    fused = {label: [[g.fused_ops.get(op, 0) for op in ("decode_attention", "rotary_embedding")]
+                     for g in step.report().graphs] for label, step in variants.items() if hasattr(step, "report")}
     chosen = [(c["graph"], c.get("level"), c.get("reason")) for c in variants["auto"].report().level_choices]
-    print(f"<!-- {name}: decode_attention per graph {fused}; auto chose {chosen} -->", flush=True)
+    print(f"<!-- {name}: [decode_attention, rotary_embedding] per graph {fused}; auto chose {chosen} -->",
+          flush=True)
 
 
 def main() -> None:
@@ -89,18 +92,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--before", nargs="+", default=list(canonical_passes()),
+                        help="the passes 'before' runs without (default: the canonicalization passes)")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: one spelling
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.one:
-        run_one(args.spellings[0], args.batches, args.rounds, args.steps)
+        run_one(args.spellings[0], args.batches, args.rounds, args.steps, args.before)
         return
     print("µs per decode step, median of interleaved rounds (speed against torch.compile's default)\n")
     print("| spelling | batch | eager | torch.compile | L1 before | L1 after | L2 before | L2 after | auto |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     for name in args.spellings:
         subprocess.run([sys.executable, __file__, "--one", "--spellings", name, "--batches", *map(str, args.batches),
-                        "--rounds", str(args.rounds), "--steps", str(args.steps), "--threads", str(args.threads)],
+                        "--rounds", str(args.rounds), "--steps", str(args.steps), "--threads", str(args.threads),
+                        "--before", *args.before],
                        check=True)
 
 

@@ -1,17 +1,19 @@
 """One Llama-style decoder written four ways, for the canonicalization tests and
-benchmarks/decoder_spellings.py: the same math (RMSNorm, rotary embeddings, GQA
+benchmarks/spellings.py: the same math (RMSNorm, rotary embeddings, GQA
 attention over a KV cache, SwiGLU) in the spellings model code in the wild uses.
 
-| spelling | GQA | attention | mask | cache | RMSNorm | SwiGLU |
-| --- | --- | --- | --- | --- | --- | --- |
-| `Interleaved` | `repeat_interleave` | `softmax(q @ kᵀ · s)` | `masked_fill(-inf)` | by slot `[slots, len, kv, d]` | `rsqrt(mean(x²) + eps)` | `silu(g) * u` |
-| `Sdpa` | SDPA `enable_gqa` | SDPA | boolean | by batch `[b, kv, len, d]` | `rsqrt(mean(x²) + eps)` | `u * silu(g)` |
-| `Baddbmm` | `repeat` | `baddbmm`, 3-D | additive `finfo.min` | by batch `[b, len, kv, d]` | `x / sqrt(mean(x²) + eps)` | `silu(g) * u` |
-| `Grouped` | `[b, kv, group, t, d]` broadcast | `matmul`, 5-D | `where(allowed, s, -inf)` | by slot `[slots, kv, len, d]` | `rsqrt(‖x‖² / n + eps)` | `silu(g) * u` |
+| spelling | GQA | attention | mask | cache | RMSNorm | SwiGLU | rotary |
+| --- | --- | --- | --- | --- | --- | --- | --- |
+| `Interleaved` | `repeat_interleave` | `softmax(q @ kᵀ · s)` | `masked_fill(-inf)` | by slot `[slots, len, kv, d]` | `rsqrt(mean(x²) + eps)` | `silu(g) * u` | `x * cos + rotate_half(x) * sin` (slices), x `[b, h, t, d]` strided |
+| `Sdpa` | SDPA `enable_gqa` | SDPA | boolean | by batch `[b, kv, len, d]` | `rsqrt(mean(x²) + eps)` | `u * silu(g)` | `sin * cat(-x2, x1) + cos * x`, halves by `chunk`, x `[b, t, h, d]` |
+| `Baddbmm` | `repeat` | `baddbmm`, 3-D | additive `finfo.min` | by batch `[b, len, kv, d]` | `x / sqrt(mean(x²) + eps)` | `silu(g) * u` | GPT-J's interleaved pairs, `stack(-x[..., 1::2], x[..., ::2]).flatten(-2)` |
+| `Grouped` | `[b, kv, group, t, d]` broadcast | `matmul`, 5-D | `where(allowed, s, -inf)` | by slot `[slots, kv, len, d]` | `rsqrt(‖x‖² / n + eps)` | `silu(g) * u` | Meta's complex product, `view_as_complex(x) * freqs_cis[positions]` |
 
 `Baddbmm`'s `repeat` tiles the kv heads: query head h reads kv head h % kv_heads,
 where the others read h // group. It is the same model with its query heads in
-another order, and a canonicalization must keep that mapping.
+another order, and a canonicalization must keep that mapping. Likewise GPT-J's and
+Meta's rotary pair neighbouring channels where the others pair the halves: the same
+weights give other logits, each spelling's own eager's.
 
 Each `forward(input_ids [b, t], positions [b, t], slots [b])` writes the t tokens
 into the cache and returns logits [b, t, vocab]; t == 1 is a decode step. The
@@ -76,22 +78,31 @@ class Spelling(nn.Module):
     def forward(self, input_ids, positions, slots):
         b, t = input_ids.shape
         hidden = F.embedding(input_ids, self.embed)
-        freqs = positions[..., None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos()[:, None], emb.sin()[:, None]  # [b, 1, t, d]: broadcast over heads
+        angles = self.angles(positions)
         allowed = torch.arange(MAX_LEN, device=positions.device) <= positions[:, :, None]  # [b, t, len]
         for layer in self.layers:
             x = self.norm(hidden, layer.norm1)
-            q = F.linear(x, layer.wq).view(b, t, HEADS, self.head_dim).transpose(1, 2)
-            k = F.linear(x, layer.wk).view(b, t, KV_HEADS, self.head_dim).transpose(1, 2)
+            q = F.linear(x, layer.wq).view(b, t, HEADS, self.head_dim)
+            k = F.linear(x, layer.wk).view(b, t, KV_HEADS, self.head_dim)
             v = F.linear(x, layer.wv).view(b, t, KV_HEADS, self.head_dim).transpose(1, 2)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q, k = self.rotary(q, k, angles)
             out = self.attend(layer, q, k, v, allowed, positions, slots)  # [b, t, hidden]
             hidden = hidden + F.linear(out, layer.wo)
             x = self.norm(hidden, layer.norm2)
             hidden = hidden + F.linear(self.swiglu(F.linear(x, layer.gate), F.linear(x, layer.up)), layer.down)
         return F.linear(self.norm(hidden, self.final_norm), self.lm_head)
+
+    def angles(self, positions):
+        """[b, t, d / 2]: each position's angle for each pair of channels."""
+        return positions[..., None].float() * self.inv_freq
+
+    def rotary(self, q, k, angles):
+        """q, k [b, t, heads, d] -> rotated, [b, heads, t, d]: transformers' rotate_half
+        on the transposed (strided) values, cos/sin [b, 1, t, d]."""
+        emb = torch.cat((angles, angles), dim=-1)
+        cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
     def norm(self, x, weight):
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS))
@@ -130,6 +141,18 @@ class Sdpa(Spelling):
     def swiglu(self, gate, up):
         return up * F.silu(gate)
 
+    def rotary(self, q, k, angles):
+        """rotate_half by `chunk`, every operand order flipped, before the heads move:
+        cos/sin [b, t, 1, d]."""
+        emb = torch.cat((angles, angles), dim=-1)
+        cos, sin = emb.cos().unsqueeze(2), emb.sin().unsqueeze(2)
+
+        def turn(x):
+            x1, x2 = x.chunk(2, dim=-1)
+            return sin * torch.cat((-x2, x1), dim=-1) + cos * x
+
+        return turn(q).transpose(1, 2), turn(k).transpose(1, 2)
+
     def attend(self, layer, q, k, v, allowed, positions, slots):
         b, _, t, _ = q.shape
         rows = torch.arange(b, device=q.device)[:, None]
@@ -149,6 +172,17 @@ class Baddbmm(Spelling):
 
     def norm(self, x, weight):
         return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * weight
+
+    def rotary(self, q, k, angles):
+        """GPT-J's `rotate_every_two`: neighbouring channels paired, each angle repeated
+        over its pair."""
+        emb = angles.repeat_interleave(2, dim=-1)
+        cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+
+        def turn(x):
+            return x * cos + torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2) * sin
+
+        return turn(q.transpose(1, 2)), turn(k.transpose(1, 2))
 
     def attend(self, layer, q, k, v, allowed, positions, slots):
         b, _, t, d = q.shape
@@ -176,6 +210,24 @@ class Grouped(Spelling):
     def norm(self, x, weight):
         squares = torch.linalg.vector_norm(x, dim=-1, keepdim=True).pow(2) / x.shape[-1]
         return weight * (x * torch.rsqrt(squares + EPS))
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # e^(i·angle) per position and pair, made once, as Meta's Llama precomputes `freqs_cis`.
+        table = torch.arange(MAX_LEN, dtype=torch.float32)[:, None] * self.inv_freq
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(table), table), persistent=False)
+
+    def angles(self, positions):
+        """[b, t, 1, d / 2]: the rows of the complex table."""
+        return self.freqs_cis[positions][:, :, None]
+
+    def rotary(self, q, k, angles):
+        """Meta's Llama: pairs of channels as complex numbers, turned by a complex product."""
+        def turn(x):
+            paired = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+            return torch.view_as_real(paired * angles).flatten(3).type_as(x).transpose(1, 2)
+
+        return turn(q), turn(k)
 
     def attend(self, layer, q, k, v, allowed, positions, slots):
         b, _, t, d = q.shape

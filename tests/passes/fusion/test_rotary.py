@@ -1,6 +1,7 @@
 """fuse_rotary: `x * cos + rotate_half(x) * sin` -> graphopt::rotary_embedding, in
 transformers' Llama form, the reference Decoder's and the swapped sum, float32 and
-bfloat16, prefill and decode shapes; and the op against its definition."""
+bfloat16, prefill and decode shapes; GPT-J's interleaved pairs; and the op against
+its definition. The other spellings: tests/passes/test_canonical_rotary.py."""
 
 import pytest
 import torch
@@ -130,17 +131,22 @@ def test_level2_is_left_to_inductor():
     unchanged(llama, *inputs(torch.float32), level=2)
 
 
+def rotate_every_two(x):
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "pairs"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("transposed", [True, False], ids=["strided", "contiguous"])
-def test_op_matches_its_definition(transposed, dtype):
+def test_op_matches_its_definition(transposed, dtype, interleaved):
     q, _, cos, sin = inputs(dtype, transposed=transposed)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    expected = q * cos + decoder.rotate_half(q) * sin
-    actual = torch.ops.graphopt.rotary_embedding(q, cos, sin)
+    expected = q * cos + (rotate_every_two(q) if interleaved else decoder.rotate_half(q)) * sin
+    actual = torch.ops.graphopt.rotary_embedding(q, cos, sin, interleaved)
     assert actual.dtype == expected.dtype and actual.stride() == expected.stride()
     atol, rtol = tolerance(dtype)
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
-    torch.library.opcheck(torch.ops.graphopt.rotary_embedding, (q, cos, sin),
+    torch.library.opcheck(torch.ops.graphopt.rotary_embedding, (q, cos, sin, interleaved),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -158,3 +164,18 @@ def test_llama_end_to_end():
                                    model(input_ids=ids, use_cache=False).logits, atol=1e-4, rtol=1e-4)
     fused = opt.report().graphs[0].fused_ops
     assert fused["rotary_embedding"] == 2 and fused["scaled_dot_product_attention"] == 1
+
+
+def test_gptj_end_to_end():
+    """transformers' GPT-J pairs neighbouring channels (`rotate_every_two`) over the first
+    `rotary_dim` of each head's: q and k each become one interleaved rotary op."""
+    torch.manual_seed(0)
+    model = transformers.GPTJForCausalLM(transformers.GPTJConfig(
+        vocab_size=128, n_embd=64, n_layer=1, n_head=H, rotary_dim=8, n_positions=64, bos_token_id=0,
+        eos_token_id=0)).eval()
+    opt = graphopt.optimize(model, graphopt.GraphOptimizationConfig(graph_opt_level=1, use_cudagraph=False))
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        torch.testing.assert_close(opt(input_ids=ids, use_cache=False).logits,
+                                   model(input_ids=ids, use_cache=False).logits, atol=1e-4, rtol=1e-4)
+    assert opt.report().graphs[0].fused_ops["rotary_embedding"] == 2

@@ -12,5 +12,7 @@ def canonical_passes() -> dict[str, Callable]:
     """The canonicalization passes by name, in pipeline order."""
     from .attention import canonicalize_attention
     from .norm import canonicalize_norms
+    from .rotary import canonicalize_rotary
 
-    return {"canonicalize_norms": canonicalize_norms, "canonicalize_attention": canonicalize_attention}
+    return {"canonicalize_norms": canonicalize_norms, "canonicalize_attention": canonicalize_attention,
+            "canonicalize_rotary": canonicalize_rotary}

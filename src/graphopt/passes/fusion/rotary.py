@@ -1,4 +1,4 @@
-"""Rotary embedding fusion: `x * cos + rotate_half(x) * sin` -> `graphopt::rotary_embedding`.
+"""Rotary embedding fusion: `x * cos + rotate(x) * sin` -> `graphopt::rotary_embedding`.
 
 Level 1 only: at level 2 Inductor generates one kernel for the written-out chain
 itself, and an opaque custom op would stop it fusing the chain with its neighbours.
@@ -25,12 +25,19 @@ def fuse_rotary(gm: torch.fx.GraphModule) -> PassResult:
                  cat = aten.cat([neg, slice_1], -1);  mul_1 = aten.mul(cat, sin);  y = aten.add(mul, mul_1)
         after:   y = graphopt.rotary_embedding(q, cos, sin)
 
-    transformers' `apply_rotary_pos_emb` and the reference Decoder write it this way
-    (either order of the sum), with cos/sin unsqueezed to broadcast over heads
-    before they reach the chain: the unsqueezed values are the op's inputs, so q
-    and k, which share them, each become their own op. Only when cos and sin
-    broadcast to x's shape, x's last dim is even (rotate_half swaps equal halves),
-    and the op's result has the strides the sum had (views after it rely on them).
+        before:  even = aten.slice(q, 3, 0, 9223372036854775807, 2);  odd = aten.slice(q, 3, 1, ..., 2)
+                 pairs = aten.view(aten.stack([aten.neg(odd), even], -1), [2, 4, 8, 16])
+                 y = aten.add(aten.mul(q, cos), aten.mul(pairs, sin))
+        after:   y = graphopt.rotary_embedding(q, cos, sin, True)
+
+    These are the two canonical forms (halves: transformers' `apply_rotary_pos_emb`
+    and the reference Decoder; neighbouring pairs: GPT-J's `rotate_every_two`), either
+    order of the sum; `canonicalize_rotary` rewrites the other spellings into them.
+    cos/sin are unsqueezed to broadcast over heads before they reach the chain: the
+    unsqueezed values are the op's inputs, so q and k, which share them, each become
+    their own op. Only when cos and sin broadcast to x's shape, x's last dim is even
+    (the rotation swaps equal halves or pairs), and the op's result has the strides
+    the sum had (views after it rely on them).
     """
     return ROTARY(gm)
 
@@ -48,8 +55,24 @@ def _rotary_swapped(x, cos, sin):
     return _rotate_half(x) * sin + x * cos
 
 
+def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def _pairs(x, cos, sin):
+    return x * cos + _rotate_pairs(x) * sin
+
+
+def _pairs_swapped(x, cos, sin):
+    return _rotate_pairs(x) * sin + x * cos
+
+
 def _fused(x, cos, sin):
     return torch.ops.graphopt.rotary_embedding(x, cos, sin)
+
+
+def _fused_pairs(x, cos, sin):
+    return torch.ops.graphopt.rotary_embedding(x, cos, sin, True)
 
 
 def _fits(match) -> bool:
@@ -87,5 +110,6 @@ def _examples() -> list[torch.Tensor]:
     return [torch.empty(2, 4, 8, 16), torch.empty(2, 1, 8, 16), torch.empty(2, 1, 8, 16)]
 
 
-for _search in (_rotary, _rotary_swapped):
-    ROTARY.add(Pattern("rotary_embedding", _search, _fused, _examples(), extra_check=_fits, levels=(1,)))
+for _search, _replace in ((_rotary, _fused), (_rotary_swapped, _fused), (_pairs, _fused_pairs),
+                          (_pairs_swapped, _fused_pairs)):
+    ROTARY.add(Pattern("rotary_embedding", _search, _replace, _examples(), extra_check=_fits, levels=(1,)))
