@@ -99,6 +99,8 @@ ROWWISE = {
     "attention over heads": lambda m, h: F.scaled_dot_product_attention(
         *[h.view(-1, 1, 2, 3)] * 3).reshape(-1, 6),
     "rows gathered by arange": lambda m, h: h[torch.arange(h.shape[0]), (h > 0).long().argmax(-1)][:, None] * h,
+    "pairs rotated as complex numbers": lambda m, h: torch.view_as_real(
+        torch.view_as_complex(h.view(-1, 3, 2)) * torch.view_as_complex(m.table[:3, :2].contiguous())).flatten(1),
     "rows sorted by expert and put back": lambda m, h: _experts(m, h, _inverse),
     "rows sorted by expert and added back": lambda m, h: _experts(
         m, h, lambda x, p: torch.zeros_like(h).index_add_(0, p // 2, x)),

@@ -1,5 +1,6 @@
 """Row rules for views and layout ops (`rows.py`): where the batch's dim goes when
-a tensor is reshaped, permuted, sliced, split, concatenated, padded or restrided."""
+a tensor is reshaped, permuted, viewed as complex, sliced, split, concatenated, padded
+or restrided."""
 
 from __future__ import annotations
 
@@ -54,6 +55,14 @@ def permute(call: Call) -> list:
         order = list(range(n))
         order[a], order[b] = order[b], order[a]
     return [replace(rows, dim=order.index(rows.dim))]
+
+
+@rule("view_as_complex", "view_as_real", keeps_order=True, reads_positions=True)
+def complex_view(call: Call) -> list:
+    """[..., n, 2] real pairs as [..., n] complex values and back (Meta's rotary
+    embedding): the dims before the pairs, the batch's among them (a dim of 2 entries
+    is never the batch's), stay where they are."""
+    return [call.rows(call.tensors[0])]
 
 
 @rule("cat")
