@@ -1,7 +1,8 @@
 """torch's fast Python bindings for ATen overloads, used only where provably the same call.
 
-Calling `torch.ops.aten.mm.default(a, b)` goes through the boxed operator path, about
-3 us a call on CPU; `torch.mm(a, b)`, the binding eager code uses, takes about 0.8 us.
+Calling `torch.ops.aten.mm.default(a, b)` goes through the boxed operator path, several
+times slower than `torch.mm(a, b)`, the binding eager code uses (docs/design.md, "The
+replayed call").
 Level 1's FX code and the host graph's replay tape call hundreds of small ops per step,
 so both use the binding, but only when calling it dispatches exactly one op, that
 overload, with exactly the same arguments. That is checked once per argument

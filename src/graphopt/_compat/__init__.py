@@ -104,7 +104,8 @@ def inductor_option_names() -> frozenset[str]:
 def check_cpu_isas_early() -> threading.Thread:
     """Start, on a thread, the checks Inductor makes before its first CPU compile of
     which vector ISAs the C++ compiler builds and this CPU runs: half a dozen small
-    compiles, ~4 s on 2 cores, serial, once per cache dir. Started when a level-2
+    compiles, seconds of them, serial, once per cache dir (docs/compile-cache.md, "A cold
+    start at level 2 on the CPU"). Started when a level-2
     step is made, they overlap Dynamo's trace, AOTAutograd and the passes instead of
     following them. Inductor reads the results (its `valid_vec_isa_list` cache, its
     files under their locks) when it gets there; a failure here is its to report."""

@@ -58,8 +58,8 @@ def call_like_aot(graph: torch.fx.GraphModule, output_dims: list) -> Callable:
     """What AOTAutograd's runtime wrapper does for a graph `aot_wrapper_output_dims`
     accepted: call it, return the inputs it returns as themselves, and mark the
     dynamic dims of its other outputs for later frames. It calls the graph's
-    `forward`: GraphModule's `__call__` adds an nn.Module call (~2 us) only to
-    print the generated code on an error (the traceback shows its lines anyway)."""
+    `forward`: GraphModule's `__call__` adds an nn.Module call, on every replay, only
+    to print the generated code on an error (the traceback shows its lines anyway)."""
     from torch._functorch._aot_autograd import runtime_wrappers
 
     # The helper's name up to torch 2.11, and after.

@@ -15,15 +15,13 @@ graphopt's own code, for what torch's does not do:
   functions a module does not name (a decorator's wrapped one) by their code;
 - a loaded trace reads `fn`'s live closure, and its bytecode reads the module's
   globals as they are at each call (`_read_globals_live`): torch's read copies;
-- a call checks the guards once (`guards_pass`, on locals from `frame_binder`, which
-  binds a plain positional call without `inspect`), not again in `__call__`;
+- a call checks the guards once (`guards_pass`), not again in `__call__`;
 - `changed_source`: torch stores the inlined functions' source hashes, checks none.
 - a trace is made with the gradients of the call's tensors set aside: torch stores
   a guarded tensor's `.grad` as a placeholder its loader rejects;
 torch's own behaviour kept: a kept guard it cannot store (a dict's version) fails
-`aot_compile` after the graph is compiled, and Dynamo's dispatch traces the step
-again (measured on the test decoder: about 1 s more, once, on a 35-50 s first start
-on 2 CPU cores; no step in graphopt's tests has such a guard).
+`aot_compile`, and Dynamo's dispatch traces the step again, once (docs/compile-cache.md,
+"What is not stored"; no step in graphopt's tests has such a guard).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@
                      (grad mode, default device) are checked
 
 A serving step's module does not change between calls, and checking that it has not
-costs more than the graph on a small model: on the CPU, with the caches cold after
-the step's own kernels, the 4-layer BERT's guards take about 360 µs of a 6 ms call.
+is a sizeable share of a small model's call (docs/configuration.md, "Guards: what a
+call checks").
 vLLM drops every guard for this reason; "inputs" keeps the ones that pick the graph
 for a call, so a new dtype or rank still compiles a new graph instead of running the
 wrong one. What it trusts: after the first call, the module's Python state (its

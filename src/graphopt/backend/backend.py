@@ -86,7 +86,7 @@ class Backend:
         self.cache = BackendCache(self.config, self._report)
         self.compiler = GraphCompiler(self.config, self._report, self.cache, self.graph_modules, self.repackables)
         if self.config.graph_opt_level in (2, AUTO_LEVEL) and not torch.cuda.is_available():
-            _compat.check_cpu_isas_early()  # docs/compile-cache.md: 4 s off a cold start
+            _compat.check_cpu_isas_early()  # shortens a cold start (docs/compile-cache.md)
 
     def report(self) -> Report:
         return self._report

@@ -18,17 +18,14 @@ def inductor_options(device_type: str, cached: bool, frozen: bool = False) -> di
         **autotune.quiet_options(),
     }
     if device_type == "cpu" and frozen:
-        # Each GEMM on a constant weight timed with Inductor's C++ template (the weight
-        # packed for its micro-kernel) and with ATen's, the faster kept; the report says
-        # what was chosen (GraphRecord.gemms). With the compile cache on, the timings are
-        # kept in Inductor's local autotune cache (by op, shapes, dtypes and strides) and a
-        # later compile reads them instead of timing again; its choices reach the report
-        # the same way. docs/configuration.md has the figures.
+        # The C++ GEMM template packs a constant weight for its micro-kernel and wins on some
+        # shapes only, so each such GEMM is timed against ATen's (GraphRecord.gemms); the
+        # compile cache keeps the timings (docs/configuration.md, "Level 2: Inductor").
         options.update(max_autotune_gemm=True, max_autotune_gemm_backends="CPP,ATEN", autotune_local_cache=cached)
     if device_type == "cpu" and not _compat.distributed_initialized():
-        # A C++ wrapper instead of a Python one: the decode step of the tiny decoder
-        # runs ~2x faster (100 vs 196 us at batch 1) for ~2x the compile time. It
-        # cannot call c10d's collectives, so a process with a process group goes without.
+        # A C++ wrapper instead of a Python one: a small decode step runs faster, for a
+        # longer compile (docs/configuration.md, "Measured: Inductor settings on the CPU").
+        # It cannot call c10d's collectives, so a process with a process group goes without.
         options["cpp_wrapper"] = True
     if device_type == "cuda":
         # graphopt's GraphRunner owns device graphs; Inductor's own would nest inside it.

@@ -1,9 +1,9 @@
 """Level 1's executable: the final ATen graph, called through torch's fast bindings.
 
 An FX graph calls `torch.ops.aten.view.default(x, size)`, which goes through the
-boxed operator path: about 3 us a call on CPU, against 0.8 us for `x.view(size)`,
-the binding eager code uses. A decode step is hundreds of small ops, so that
-difference alone made the FX graph slower than eager. Here each ATen node is
+boxed operator path, several times slower than `x.view(size)`, the binding eager
+code uses (docs/usage.md, "Levels"). A decode step is hundreds of small ops, so
+that difference alone made the FX graph slower than eager. Here each ATen node is
 retargeted to its binding (`torch.<op>` or the Tensor method) when, and only when,
 calling the binding on the node's fake values dispatches exactly the node's overload
 with the node's arguments (`bindings.exact_binding`); anything else keeps its OpOverload.

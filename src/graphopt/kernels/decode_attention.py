@@ -18,11 +18,9 @@ Query head `x` reads kv head `x // (h // kv_heads)` (GQA, as `repeat_kv`), never
 repeated. `key` and `value` may have any strides. Lengths are read from `positions`
 when the op runs, so one captured device graph serves every length.
 
-On the CPU the kernel is C++ (`decode_attention.cpp`), built on first use for the
-machine's vector ISA and registered with the dispatcher; on CUDA it is Triton
-(`decode_attention_triton.py`), compiled on first use. Where neither can run, the op
-runs `_reference`: torch's SDPA under a mask built from the positions, after gathering
-whole cache rows.
+The kernel is C++ on the CPU (`decode_attention.cpp`, built on first use for the
+machine's vector ISA), Triton on CUDA (`decode_attention_triton.py`). Where neither
+can run, `_reference` gathers whole cache rows for torch's SDPA under a mask.
 """
 
 from __future__ import annotations

@@ -3,13 +3,11 @@
 oneDNN (CPU) and cuDNN's tensor-core kernels (CUDA, half precision) compute an NCHW
 convolution by reordering to a channels-last layout and back around every call. A
 region of convolutions, batch norms and pointwise ops that stays channels-last pays
-one conversion at each border instead. Measured on this project's CPU (1 thread,
-oneDNN, float32, docs/passes.md, "Layout"): the ResNet-like reference model runs 0.83-0.89x
-the NCHW time with one conversion for nine convolutions, while one conv-bn-relu
-between two conversions runs 1.33x and three of them 1.06x (batch 1). Weights that
-are not constants are converted by an op in every step: on ResNet-18 (11M weights)
-that copy outweighs the gain until the activations the convolutions read outnumber
-the weights (`LIVE_WEIGHTS_PER_ACTIVATION`).
+one conversion at each border instead; a region too short to pay for its two
+conversions is slower than NCHW (docs/passes.md, "Layout", has the figures). Weights
+that are not constants are converted by an op in every step: on ResNet-18 that copy
+outweighs the gain until the activations the convolutions read outnumber the weights
+(`LIVE_WEIGHTS_PER_ACTIVATION`).
 
 How a layout is decided: a region starts at each convolution, whose input is
 converted unless it is channels-last already; it grows through the ops that consume
@@ -44,14 +42,12 @@ _REGION_OPS = {aten._native_batch_norm_legit_no_training.default, aten.native_ba
                aten.max_pool2d_with_indices.default, aten.avg_pool2d.default,
                aten._adaptive_avg_pool2d.default, aten.cat.default, aten.clone.default,
                aten._to_copy.default, operator.getitem}
-# Measured (module docstring): below two convolutions per activation conversion, a
-# channels-last region was slower than NCHW at batch 1.
+# Below two convolutions per activation conversion, a channels-last region was slower
+# than NCHW at batch 1 (docs/passes.md, "Layout").
 CONVS_PER_CONVERSION = 2
 # Live (not constant) conv weights converted per step, per element of activation the
-# convolutions read at the traced batch, above which channels-last was slower. ResNet-18,
-# level 1, 1 thread (docs/passes.md, "Layout"): 0.63-0.64 weights per activation element
-# ran 1.12-1.17x the NCHW speed, 2.5 ran 0.89-1.02x, 5.1 0.94x and 20 0.53-0.86x; the
-# tiny ResNet at 0.79 ran 1.05-1.11x.
+# convolutions read at the traced batch, above which channels-last was slower: on
+# ResNet-18 it lost from about 2.5 up and won below 1 (docs/passes.md, "Layout").
 LIVE_WEIGHTS_PER_ACTIVATION = 1.0
 
 

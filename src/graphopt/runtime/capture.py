@@ -39,7 +39,7 @@ _point: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("graphopt_
 class running_at:
     """Run the captured graphs called inside at `point`: (capture size, other symbols).
     A class, not a generator: it is entered on every replay, and a generator's
-    context manager costs ~1 µs more per call."""
+    context manager costs more per call (docs/design.md, "The replayed call")."""
 
     __slots__ = ("point", "token")
 

@@ -8,33 +8,16 @@ on the trace alone and never on timings:
 - a step at batch `b` replayed at capture size `s` wastes `s - b` padded rows;
 - a step without a device graph costs `STEP_OVERHEAD_ROWS` rows more than a replay
   (the launches and Python a replay saves);
-- capturing size `s` costs its warm-ups and its capture, `warmups + 1` steps at
-  `s` without a graph: `(warmups + 1) * (s + STEP_OVERHEAD_ROWS)`. A size already
-  captured costs nothing more, so a plan does not drop it while it has traffic.
+- capturing size `s` costs `(warmups + 1) * (s + STEP_OVERHEAD_ROWS)`; a size
+  already captured costs nothing more, so a plan does not drop it while it has traffic.
 
 `plan()` picks, among the sizes seen, the set that costs least over the traffic
-the histogram holds: the sizes sorted, each captured size serving the sizes down
-to the previous one by padding, the sizes above the largest run without a graph
-(a dynamic programme, O(k^2) for k sizes seen). Sizes above `max_num_seqs`, or
-whose pool would not fit the memory budget, are never candidates. Without padding
-(a graph whose rows are not independent) each size is captured for itself when
-its steps pay for its capture.
-
-A range of sizes that recurs spread over many sizes (a burst at a random size in
-41..60 one step in ten) has no size whose weight pays for a capture, and each is
-soon forgotten. So the plan also looks at the last `RANGE_WINDOWS` windows of calls
-(a plan's interval each): when at least two had steps above the plan's largest size,
-at `RANGE_SIZES` or more distinct sizes, those steps are planned by the same cost
-over those windows (what recurred over them is expected to go on as long), and the
-sizes that pay are captured to cover the range by padding.
-
-Traffic decays by half at each plan and forgets a size whose weight falls below
-`FORGET_BELOW`: a size nobody has asked for in a few plans is released. A planned
-size (captured at its first call) is held `HOLD_CAPTURED` plans longer: its capture
-is paid for, holding it costs only memory, which the sizes of a pool mostly share,
-and capturing again a size a server's batch wanders back to is what costs. A size
-that comes back after it was forgotten (a burst that recurs) is kept twice as long
-each time it returns, so a periodic burst is captured a few times, not once per period.
+(a dynamic programme over the sorted sizes, each captured size serving those below
+it by padding). A range that recurs spread over many sizes is planned over the last
+`RANGE_WINDOWS` windows, since no single size in it pays; traffic decays at each
+plan, and a captured size is held `HOLD_CAPTURED` plans longer, since capturing it
+again is what costs. The rules and their constants: docs/device-graphs.md,
+"Capture sizes from traffic".
 """
 
 from __future__ import annotations

@@ -5,28 +5,19 @@ ATen op it issues in this thread is recorded (a `TorchDispatchMode` below a rais
 `CaptureGuard`, so what a CUDA capture would refuse is refused here too). `replay()`
 runs the tape again on the same tensor objects, each op writing where it wrote at
 capture, so outputs land in the same buffers every time, as with a CUDA graph.
-How each op is replayed (through its `out=` overload, in place, as a copy) is
-`tape.py`'s; the tape runs from C++ (`native_tape.py`, one dispatcher call per op)
-or, where that extension cannot be built, from Python.
-
-Replays run under `torch.inference_mode()`: a host graph records no autograd history.
-
-Memory: at `capture_end` what the capture allocated moves into its `HostPool`'s
-arena (`host_arena.py`), where the graphs of one pool share one arena.
+How each op is replayed is `tape.py`'s; the tape runs from C++ (`native_tape.py`)
+or, where that extension cannot be built, from Python, under `torch.inference_mode()`
+(a host graph records no autograd history). At `capture_end` what the capture
+allocated moves into its `HostPool`'s arena (`host_arena.py`), shared by the pool's graphs.
 
 Decisions:
-- Random ops are replayed and draw fresh numbers from their generator at every
-  replay, as eager does (and as a CUDA graph does with the default generator).
-- Python values computed during capture are baked into the tape: shapes, and any
-  number derived in Python. That is why reading a tensor's value into Python
-  (`.item()`, `bool(t)`) is a `CaptureError`.
-- Tensors created during capture that the caller keeps must be among `outputs`;
-  any other may be overwritten by a later op of the same replay.
-- The tape holds tensor objects, not addresses: `rebind(old, new)` `set_`s every
-  tensor the capture saw on input `old`'s memory (`old`, and the views the step
-  made of it) to the same place in `new`'s, a tensor of the same size, stride and
-  dtype (a KV cache made anew for each `generate()`). So `old` must be a private
-  alias of the caller's tensor, which is then never touched again (`static_inputs.CapturedInputs`).
+- random ops draw fresh numbers at every replay, as eager does;
+- Python values computed during capture (shapes, numbers) are baked into the tape,
+  so reading a tensor's value into Python (`.item()`) is a `CaptureError`;
+- tensors the caller keeps must be among `outputs`; a later op may overwrite others;
+- the tape holds tensor objects, not addresses, so `rebind(old, new)` can move every
+  tensor the capture saw on `old`'s memory to `new`'s (a new KV cache per
+  `generate()`); `old` is a private alias the caller never touches again.
 
 Not thread-safe: capture in one thread (the recorder is thread-local), and never
 replay one graph, or two graphs of one pool, from two threads at once.

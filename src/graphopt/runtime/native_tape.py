@@ -1,9 +1,10 @@
 """The host graph's replay without Python per op: its tape run by a small C++ loop.
 
-A Python replay pays the interpreter for every op (~3 µs on a 2-core CPU, more than
-many decode-step ops cost); `native_tape.cpp` makes one boxed dispatcher call per op
-(~0.6 µs). It is compiled on first use (`kernels/native.py`): the first host graph
-on a machine waits about a minute, later processes load it in milliseconds.
+A Python replay pays the interpreter for every op, often more than the op itself
+costs in a decode step; `native_tape.cpp` makes one boxed dispatcher call per op,
+several times cheaper (docs/device-graphs.md, "Host graphs"). It is compiled on
+first use (`kernels/native.py`): the first host graph on a machine waits for that
+compile, later processes load what it built.
 
 Where it cannot be built, host graphs replay from Python: the reason is logged once
 and each capture counts it as a fallback. `GRAPHOPT_NATIVE_TAPE=0` asks for the

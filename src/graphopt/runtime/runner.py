@@ -204,7 +204,8 @@ class GraphRunner:
             if held is None:
                 continue
             # set_ keeps the holder's tensor object, only its memory moves. An output made
-            # in inference mode can only be changed in it (entering it costs ~2 µs).
+            # in inference mode can only be changed in it, and entering it is not free
+            # (docs/design.md, "The replayed call"), so only when not in it already.
             if torch.is_inference_mode_enabled():
                 held.set_(held.clone())
             else:
@@ -250,7 +251,7 @@ def _rows(out: Any, dim: int | None, batch: int | None, clone: bool) -> Any:
     if dim is None:
         view = out.view_as(out)
     elif dim == 0:
-        view = out[:batch]  # narrow(0, 0, batch)'s view, ~0.5 µs cheaper: this runs on every padded replay
+        view = out[:batch]  # narrow(0, 0, batch)'s view, cheaper to make: this runs on every padded replay
     else:
         view = out.narrow(dim, 0, batch)
     return view.clone() if clone else view

@@ -13,7 +13,7 @@ One `Entry` per op that needs replaying (views and metadata changes need none):
 
 An entry says both how the native tape (`native_tape.py`) calls it, an ATen overload
 with its arguments, and how a Python replay does. The Python form uses torch's Python
-binding (`torch.mm` for `aten.mm.out`, ~1 µs against ~3 µs boxed) when that provably
+binding (`torch.mm` for `aten.mm.out`, cheaper than the boxed call) when that provably
 dispatches the same overload; that check is only made when the tape runs from Python.
 """
 

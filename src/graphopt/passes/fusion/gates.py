@@ -22,12 +22,10 @@ def sdpa_loses(level: int, device: torch.device, query_len: int | torch.SymInt) 
 
     There the CPU flash kernel, split into query blocks it cannot fill, is slower
     than what Inductor makes of the written-out attention (two GEMMs around one
-    fused softmax kernel). The decode step of `DecoderConfig.small()` (1 thread,
-    benchmarks/fusion_gates.py): the rewrite made it 0.93x as fast at batch 1 and
-    0.99x at batch 16; a separate run against `torch.compile` gave 0.83x its speed
-    with the rewrite and 1.00x without, at batch 16. At level 1 the fused kernel
-    replaces ~10 Python-dispatched ops and pays (1.10 at batch 16); with 32-token
-    queries (BERT, eager attention) it pays at both levels (1.09-1.17).
+    fused softmax kernel): on the decode step of `DecoderConfig.small()` the rewrite
+    made level 2 slower. At level 1 the fused kernel replaces about ten
+    Python-dispatched ops and pays; with prefill or encoder queries it pays at both
+    levels. Figures: docs/fusion.md, "Fusion gates".
     """
     return ENABLED and level == 2 and device.type == "cpu" and isinstance(query_len, int) and query_len == 1
 
@@ -56,10 +54,9 @@ PACKED_LINEAR_MIN_MACS = 1 << 22
 def packed_linear_loses(rows: int, in_features: int, out_features: int) -> bool:
     """Small GEMMs: rows x in x out < 2**22 multiply-adds (rows: the traced batch's).
 
-    The BERT encoder, level 1, frozen weights, host graphs, 1 thread, interleaved
-    (2026-11-25, shared machine): hidden 128, sequence 32 at batch 1 (32 rows, 0.5-2M
-    multiply-adds per linear) ran 0.87x as fast packed; at batch 8 (256 rows, >= 4M)
-    1.09x; BERT-base (hidden 768, sequence 128) 1.24x at batch 1 and 1.10x at batch 8.
+    There oneDNN's per-call cost outweighs the packed weight: the small BERT encoder
+    at batch 1 ran slower packed, at batch 8 and on BERT-base faster (docs/fusion.md,
+    "Fusion gates").
     """
     return ENABLED and rows * in_features * out_features < PACKED_LINEAR_MIN_MACS
 
@@ -68,9 +65,8 @@ def add_layer_norm_loses(device: torch.device, dtype: torch.dtype) -> bool:
     """Anywhere but float32 on the CPU, and on a CPU where the C++ kernel could not be built.
 
     There the op would run torch's add and LayerNorm behind one more call. Where the
-    kernel runs it pays: by hand, 1 thread, it takes 6 µs for what the two ops do in
-    15 at [64, 256] (the small BERT's rows at batch 1), 32 against 57 µs at [128, 768]
-    (BERT-base's), 280 against 457 µs at [1024, 768].
+    kernel runs it is faster than the two ops at every row shape measured
+    (docs/fusion.md, "Fusion gates").
     """
     from ...kernels.layer_norm import native_unavailable
 

@@ -3,8 +3,8 @@ post-op (frozen weights, CPU, float32, level 1).
 
 `aten.linear` hands MKL a plain weight at every call; oneDNN's kernel on a weight
 reordered once into its blocked layout, with the GELU or ReLU applied as the result is
-written, measured 1.10-1.34x faster than linear + GELU for BERT-base's shapes (1
-thread), as ONNX Runtime's packed MatMul + FastGelu is; small GEMMs lose (gates.py).
+written, is faster than linear + GELU on BERT-base's shapes (docs/fusion.md, "Fusion
+gates"), as ONNX Runtime's packed MatMul + FastGelu is; small GEMMs lose (gates.py).
 """
 
 from __future__ import annotations

@@ -65,7 +65,8 @@ class Pattern:
 @dataclass
 class PatternSet:
     """Patterns applied together as one pass. Registration with the matcher is lazy
-    (tracing costs ~50 ms a pattern) and redone when the set changes."""
+    (tracing a pattern is slow: docs/fusion.md, "Your own fusions") and redone when
+    the set changes."""
 
     name: str
     patterns: list[Pattern] = field(default_factory=list)

@@ -3,28 +3,25 @@
 Padding a batch of 3 up to a capture size of 4 is legal only when row 3 cannot
 reach rows 0-2: every real row of every output must be computed from the same row
 of the batch-sized inputs and from nothing else sized by the batch. This module
-proves it op by op during the fake run (ATen ops as dispatched, before anything is
-compiled), for one batch at a time: the symbols of the dynamic dims that take the
-same value (Dynamo may give input_ids and attention_mask one each), called `s`
-below. Each tensor is either
+proves it op by op during the fake run, for one batch at a time: the symbols of the
+dynamic dims that take the same value (Dynamo may give input_ids and attention_mask
+one each), called `s` below. Each tensor is either
 
     shared    computed without reading any row (weights, constants, other inputs), or
     rows(d)   its dim d has size outer*s*c, and the c entries of row r (in each of
               `outer` blocks: the ranks' rows after an all-gather) depend on row r alone.
 
-An op keeps rows apart only when a rule in `row_rules.py` or `row_views.py` says
-so. An op without a rule that touches rows, or whose rule finds it mixing them,
-makes padding illegal:
+An op keeps rows apart only when a rule in `row_rules.py` or `row_views.py` says so;
+one that touches rows without a rule, or mixes them, makes padding illegal:
 
     h = relu(x @ w.t())      rows(0) -> rows(0)   pointwise; the matmul contracts another dim
     m = h - h.mean(0)        rows(0) -> mixes     a reduction along the batch dim
 
-Writes of rows into a shared tensor at positions chosen per row (a KV cache indexed
-by slot: `cache[slots] = k`) are trusted, as a padded row writes where `pad_values`
-sends it; that tensor may then only be read per row (`cache[slots]`). The batch size
-may size tensors (`zeros(s)`, `arange(s)`, views) but not enter a computation as a
-number. Ops a user lists in `rowwise_ops` map the rows of their inputs to the dim of
-each output sized by the batch.
+Writes of rows into a shared tensor at positions chosen per row (`cache[slots] = k`)
+are trusted, as a padded row writes where `pad_values` sends it; that tensor may
+then only be read per row (`cache[slots]`). The batch size may size tensors
+(`zeros(s)`, `arange(s)`, views) but not enter a computation as a number. Ops in
+`rowwise_ops` map their inputs' rows to each output's dim sized by the batch.
 """
 
 from __future__ import annotations
