@@ -78,7 +78,7 @@ def run_one(name: str, batches: list[int], rounds: int) -> None:
             out = step(*args)
             first[label] = time.perf_counter() - start
             torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4, msg=lambda m: f"{label}: {m}")
-        graphopt.backend.tiers.wait_for_background()  # level 2's code is in: each graph's next call chooses
+        graphopt.wait_for_background()  # level 2's code is in: each graph's next call chooses
         for batch in batches:
             variants["auto"](*inputs(batch))
     times = interleaved_times(variants, batches, inputs, rounds, steps=5)

@@ -70,7 +70,7 @@ def run_one(name: str, batches: list[int], rounds: int, steps: int, before: list
     torch._dynamo.config.cache_size_limit = 64  # six variants, two batch sizes, one code object
     variants = _variants(name, batches, before)
     _check(variants, batches)
-    graphopt.backend.tiers.wait_for_background()  # level 2's code is in: each graph's next call chooses, checked
+    graphopt.wait_for_background()  # level 2's code is in: each graph's next call chooses, checked
     _check(variants, batches)
     times = interleaved_times(variants, batches, lambda b: decode_inputs(b, POSITION), rounds, steps)
     for batch in batches:

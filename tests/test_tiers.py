@@ -245,7 +245,7 @@ def test_auto_compiles_level_2_in_a_child_process_with_graphopts_passes_and_swap
         expected = model(x)
         optimized = graphopt.optimize(model, config)
         torch.testing.assert_close(optimized(x), expected, atol=atol, rtol=rtol)
-        assert tiers.wait_for_background(timeout=600)
+        assert graphopt.wait_for_background(timeout=600)
         for _ in range(3):
             torch.testing.assert_close(optimized(x), expected, atol=atol, rtol=rtol)
     report = optimized.report()

@@ -10,6 +10,7 @@ from .api.step import DynamicDims
 from .backend.backend import Backend
 from .backend.recompiles import RecompileError
 from .backend.registry import backends, graphopt_backend
+from .backend.tiers import wait_for_background
 from .config import MODES, GraphOptimizationConfig
 from .passes.base import PassResult
 from .passes.fusion.replacement import fwd_only, register_replacement
@@ -44,4 +45,5 @@ __all__ = [
     "optimize",
     "register_replacement",
     "support_graph_optimization",
+    "wait_for_background",
 ]
