@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
-import time
 import types
 from typing import Callable
 
 import torch
 from rich.console import Console
 from rich.table import Table
+from timing import median_us
 
 import graphopt
 from graphopt.backend import frozen_watch
@@ -72,17 +71,6 @@ def graph_calls(step: Callable, inputs: tuple) -> tuple[Callable, Callable]:
         step(*inputs)
         watch.runtime = graph
     return (lambda: [w(*args) for w, args in calls]), (lambda: [w.runtime(*args) for w, args in calls])
-
-
-def median_us(variants: dict[str, Callable], rounds: int, calls: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, fn in variants.items():
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times[name].append((time.perf_counter() - start) / calls * 1e6)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:

@@ -14,13 +14,12 @@ figure is the median over interleaved rounds of µs per call.
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Callable
 
 import torch
 from rich.console import Console
 from rich.table import Table
+from timing import median_us
 
 from graphopt.models import Decoder, DecoderConfig
 
@@ -46,20 +45,6 @@ def linears(weight: torch.Tensor, batch: int) -> dict[str, Callable[[torch.Tenso
             "mkl": lambda x: torch.ops.mkl._mkl_linear.default(x, mkl, weight, None, batch)}
 
 
-def median_us(runs: dict[str, Callable[[], object]]) -> dict[str, float]:
-    """Median over interleaved rounds of µs per call of each run."""
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for run in runs.values():
-        run()
-    for _ in range(ROUNDS):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            for _ in range(CALLS):
-                run()
-            times[name].append((time.perf_counter() - start) / CALLS * 1e6)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def per_shape(config: DecoderConfig) -> Table:
     table = Table(title="one linear, µs per call (ratio: aten / packed, > 1 is faster than aten)")
     for column in ("shape (in -> out)", "batch", "aten", "onednn", "mkl", "aten/onednn", "aten/mkl"):
@@ -71,7 +56,7 @@ def per_shape(config: DecoderConfig) -> Table:
             ways = linears(weight, batch)
             for way in ways.values():
                 torch.testing.assert_close(way(x), ways["aten"](x), atol=1e-4, rtol=1e-4)
-            us = median_us({way: (lambda f=f: f(x)) for way, f in ways.items()})
+            us = median_us({way: (lambda f=f: f(x)) for way, f in ways.items()}, ROUNDS, CALLS)
             table.add_row(f"{name} ({k} -> {n})", str(batch), *(f"{us[w]:.1f}" for w in ways),
                           f"{us['aten'] / us['onednn']:.2f}", f"{us['aten'] / us['mkl']:.2f}")
     return table
@@ -111,7 +96,7 @@ def whole_step(config: DecoderConfig) -> Table:
             reference = steps["aten"](*inputs)
             for model in steps.values():
                 torch.testing.assert_close(model(*inputs), reference, atol=1e-3, rtol=1e-3)
-            us = median_us({way: (lambda m=m: m(*inputs)) for way, m in steps.items()})
+            us = median_us({way: (lambda m=m: m(*inputs)) for way, m in steps.items()}, ROUNDS, CALLS)
         table.add_row(str(batch), *(f"{us[w]:.0f}" for w in steps),
                       f"{us['aten'] / us['onednn']:.2f}", f"{us['aten'] / us['mkl']:.2f}")
     return table

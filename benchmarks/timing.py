@@ -3,6 +3,7 @@ process, so drift on a shared machine hits them alike."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Callable
 
@@ -31,3 +32,18 @@ def interleaved_times(variants: dict[str, Callable], batch_sizes: list[int], inp
                     sync()
                     times[name, batch].append((time.perf_counter() - start) / steps * 1e6)
     return times
+
+
+def median_us(runs: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, float]:
+    """Median over interleaved rounds of µs per call of each run (no arguments), each
+    run once first; a round is `calls` calls of each."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for run in runs.values():
+        run()
+    for _ in range(rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                run()
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: statistics.median(t) for name, t in times.items()}
