@@ -189,8 +189,7 @@ class Backend:
         split_gm, unsafe = piecewise.split(gm, layout.unsafe)
         real = dict(zip([n.name for n in gm.graph.nodes if n.op == "placeholder"], example_inputs))
         pool, captured = device_graphs.pool(options), []
-
-        def compile_piece(name: str, piece: torch.fx.GraphModule, fakes: list) -> Callable | None:
+        for name, piece, fakes in piecewise.pieces_on_fakes(split_gm, example_inputs):
             inputs = [n.name for n in piece.graph.nodes if n.op == "placeholder"]
             # A number an earlier piece computes (`.item()`) changes every call: a capture would freeze it.
             numbers = [n for n, fake in zip(inputs, fakes) if not isinstance(fake, torch.Tensor) and n not in real]
@@ -198,18 +197,13 @@ class Backend:
                 unsafe[name] = f"it reads {numbers[0]}, a number computed at run time by an earlier piece"
             record = self._report.piece(layout.graph_index, unsafe.get(name))
             if name in unsafe:
-                return None
+                continue
             examples = [real.get(n, fake) for n, fake in zip(inputs, fakes)]
             piece_key = self.cache.key(piece, examples, level, fingerprint)
             compiled = self.compiler.compile(piece, examples, level, piece_key, fingerprint).fn
             # The graph's own inputs sit at fixed addresses; intermediates from eager pieces are copied in.
             captured.append(device_graphs.captured(compiled, record, options, pool, [n in real for n in inputs]))
-            return captured[-1]
-
-        for name, piece, fakes in piecewise.pieces_on_fakes(split_gm, example_inputs):
-            runner = compile_piece(name, piece, fakes)
-            if runner is not None:
-                split_gm.__dict__[name] = runner  # found before the submodule of that name
+            split_gm.__dict__[name] = captured[-1]  # found before the submodule of that name
         return device_graphs.wrap(split_gm, captured, layout.signature, key, options)
 
     def _spec(self, key: str, level: int, fingerprint: str | Unkeyable, compiled: Compiled) -> GraphSpec | str:
