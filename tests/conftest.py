@@ -68,12 +68,16 @@ VERSION_SENSITIVE = (
 
 
 def pytest_collection_modifyitems(config, items):
-    unmatched = [name for name in VERSION_SENSITIVE if not any(item.nodeid.startswith(name) for item in items)]
+    matched = set()
+    for item in items:
+        names = {name for name in VERSION_SENSITIVE
+                 if item.nodeid == name or item.nodeid.startswith((name + "::", name + "["))}
+        if names:
+            item.add_marker(pytest.mark.version_sensitive)
+            matched |= names
+    unmatched = [name for name in VERSION_SENSITIVE if name not in matched]
     if unmatched and "version_sensitive" in config.getoption("markexpr"):
         raise pytest.UsageError(f"VERSION_SENSITIVE in {__file__} names no test: {unmatched}")
-    for item in items:
-        if any(item.nodeid == name or item.nodeid.startswith((name + "::", name + "[")) for name in VERSION_SENSITIVE):
-            item.add_marker(pytest.mark.version_sensitive)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
