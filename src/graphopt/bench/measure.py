@@ -15,6 +15,7 @@ import torch
 
 from .._compat.names import tree_leaves, tree_map
 from ..backend import tiers
+from ..passes.precision import worst_error
 from .workloads import Case, Step
 
 EAGER = "eager"
@@ -152,23 +153,17 @@ def compare(output: Any, reference: Any, truth: Any = None) -> tuple[bool, float
 def lowered_error(output: Any, reference: Any, bound: float) -> tuple[bool, float, float]:
     """(within `bound`, largest absolute difference, that difference as a fraction of the
     reference's largest magnitude) for a contender that computes in lower precision: it is
-    judged as `precision_tolerance` judges a graph, not by eager's rounding."""
+    judged as `precision_tolerance` judges a graph (`precision.worst_error`), not by
+    eager's rounding; token ids must be equal."""
     ours, theirs = tree_leaves(output), tree_leaves(reference)
-    if len(ours) != len(theirs):
+    pairs = [(b, a.to(b.device)) for a, b in zip(ours, theirs)
+             if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)]
+    others_equal = all(a == b for a, b in zip(ours, theirs)
+                       if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)))
+    if len(ours) != len(theirs) or not others_equal or any(a.shape != b.shape for b, a in pairs):
         return False, float("inf"), float("inf")
-    equal, worst, scale = True, 0.0, 0.0
-    for a, b in zip(ours, theirs):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            equal &= a == b
-        elif a.shape != b.shape:
-            return False, float("inf"), float("inf")
-        elif not b.is_floating_point():  # token ids: lower precision may pick others
-            equal &= torch.equal(a.to(b.device), b)
-        elif b.numel():
-            worst = max(worst, (a.to(b.device).double() - b.double()).abs().max().item())
-            scale = max(scale, b.double().abs().max().item())
-    relative = worst / scale if scale else (0.0 if worst == 0 else float("inf"))
-    return bool(equal) and relative <= bound, worst, relative
+    relative, largest, _ = worst_error([b for b, _ in pairs], [a for _, a in pairs])
+    return relative <= bound, largest, relative
 
 
 def fill_ratios(result: CaseResult) -> None:

@@ -216,12 +216,18 @@ def label(gm: torch.fx.GraphModule) -> str:
 def measured_error(gm: torch.fx.GraphModule, expected: Sequence[torch.Tensor], actual: Sequence[torch.Tensor],
                    tolerance: float | None) -> dict[str, Any]:
     """How far `actual` (the lowered graph's results) is from `expected` (full precision's),
-    for the result whose error is largest relative to its largest magnitude: that
-    relative error, its max and mean absolute error, and whether it is past
-    `tolerance`. Per result, since a KV cache the graph writes, mostly zeros, would
-    drown a mean over all of them. An integer result that differs (an argmax that
+    as `worst_error` measures it, and whether it is past `tolerance`."""
+    relative, largest, mean = worst_error(expected, actual)
+    return {"dtype": label(gm), "max_abs_error": largest, "mean_abs_error": mean, "relative_error": relative,
+            "tolerance": tolerance, "fell_back": tolerance is not None and not relative <= tolerance}
+
+
+def worst_error(expected: Sequence[torch.Tensor], actual: Sequence[torch.Tensor]) -> tuple[float, float, float]:
+    """(relative, max abs, mean abs error) of the result whose error is largest relative to
+    its largest magnitude. Per result, since a KV cache the graph writes, mostly zeros,
+    would drown a mean over all of them. An integer result that differs (an argmax that
     flipped) makes the relative error infinite."""
-    worst = (0.0, 0.0, 0.0)  # relative, max abs, mean abs
+    worst = (0.0, 0.0, 0.0)
     for e, a in zip(expected, actual):
         if not e.dtype.is_floating_point:
             worst = worst if torch.equal(e, a) else max(worst, (float("inf"), 0.0, 0.0))
@@ -230,9 +236,7 @@ def measured_error(gm: torch.fx.GraphModule, expected: Sequence[torch.Tensor], a
             magnitude, largest = e.double().abs().max().item(), diff.max().item()
             relative = largest / magnitude if magnitude > 0 else (0.0 if largest == 0 else float("inf"))
             worst = max(worst, (relative, largest, diff.mean().item()))
-    relative, largest, mean = worst
-    return {"dtype": label(gm), "max_abs_error": largest, "mean_abs_error": mean, "relative_error": relative,
-            "tolerance": tolerance, "fell_back": tolerance is not None and not relative <= tolerance}
+    return worst
 
 
 def over_tolerance(name: str, error: dict[str, Any]) -> str:
