@@ -109,7 +109,7 @@ def lowered_error_cell(row: Row) -> str:
     as a fraction of the output's largest magnitude (what precision_tolerance bounds)."""
     if row.relative_error is None:
         return ""
-    return f"{row.max_diff:.2g} ({row.relative_error:.1%})"
+    return f"{row.max_diff:.2g} ({100 * row.relative_error:.2g}%)"  # two digits: a small error is not 0.0%
 
 
 def equality(row: Row) -> str:
