@@ -298,3 +298,16 @@ def test_a_child_compile_that_fails_leaves_level_1_serving_and_says_why_end_to_e
     assert list(optimized.report().fallbacks) == [
         f"graph_opt_level='auto': {choice['reason']}; level 1 serves graph 0"]
     assert choice["reason"].startswith("level 2 failed to compile in the background (")
+
+
+def test_inductors_pickling_warning_becomes_the_reason_and_prints_nothing(caplog):
+    from torch._inductor.compile_fx import log
+
+    try:
+        raise AttributeError("Can't pickle local object 'f.<locals>.g'")
+    except AttributeError:
+        with background._pickling_errors() as errors:
+            log.warning("Unable to pickle input graph or example inputs", exc_info=True)
+            log.warning("another warning")
+    assert errors == ["AttributeError: Can't pickle local object 'f.<locals>.g'"]
+    assert [r.getMessage() for r in caplog.records if r.name == log.name] == ["another warning"]

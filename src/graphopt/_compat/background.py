@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import logging
 import os
 from concurrent.futures import Future
 from typing import Any, Iterator, Sequence
@@ -105,9 +106,11 @@ def _start(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inputs_to_ch
         custom(gm.graph)
         gm.recompile()
     scheme = _SubprocessFxCompile()
-    serialized = scheme.serialize_compile(gm, example_inputs, inputs_to_check, graph_kwargs)
+    with _pickling_errors() as errors:
+        serialized = scheme.serialize_compile(gm, example_inputs, inputs_to_check, graph_kwargs)
     if serialized is None:
-        raise NotSerializable("Inductor could not pickle the graph or its inputs for a child process")
+        why = f" ({errors[0][:200]})" if errors else ""
+        raise NotSerializable(f"Inductor could not pickle the graph or its inputs for a child process{why}")
     pickled, constants = serialized
     shape_env = _current_shape_env()
     known = len(shape_env.guards) if shape_env is not None else 0
@@ -131,6 +134,28 @@ def _start(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inputs_to_ch
 
     here._boxed_call = True  # type: ignore[attr-defined]
     return _AsyncOutputCode(here, future, arrived)
+
+
+@contextlib.contextmanager
+def _pickling_errors() -> Iterator[list[str]]:
+    """The errors of Inductor's warning that it could not pickle a graph for a child, as
+    "Type: message", kept off its logger: the caller reports them in its fallback, and a
+    traceback on stderr would be the compile printing where no one asked."""
+    from torch._inductor.compile_fx import log
+
+    errors: list[str] = []
+
+    def keep(record: logging.LogRecord) -> bool:
+        if record.exc_info and "pickle" in record.getMessage():
+            errors.append(f"{record.exc_info[0].__name__}: {record.exc_info[1]}")
+            return False
+        return True
+
+    log.addFilter(keep)
+    try:
+        yield errors
+    finally:
+        log.removeFilter(keep)
 
 
 def _current_shape_env() -> Any:
