@@ -105,8 +105,9 @@ def _start(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inputs_to_ch
     if custom is not None:
         custom(gm.graph)
         gm.recompile()
+    _detach_view_values(gm)
     scheme = _SubprocessFxCompile()
-    with _pickling_errors() as errors:
+    with _pickling_errors() as errors, _child_resolvable_ops():
         serialized = scheme.serialize_compile(gm, example_inputs, inputs_to_check, graph_kwargs)
     if serialized is None:
         why = f" ({errors[0][:200]})" if errors else ""
@@ -156,6 +157,41 @@ def _pickling_errors() -> Iterator[list[str]]:
         yield errors
     finally:
         log.removeFilter(keep)
+
+
+_CHILD_NAMESPACES = ("torch.ops.aten.", "torch.ops.prims.", "torch.ops.graphopt.", "torch.ops.fbgemm.")
+
+
+@contextlib.contextmanager
+def _child_resolvable_ops() -> Iterator[None]:
+    """Inductor pickles only ATen's operators for a child (its default filter is meant for
+    another machine), so every graph with a `.float()` (decomposed into
+    `prims.convert_element_type`) or a graphopt kernel stayed in the foreground. The child
+    is this machine's torch with graphopt imported, so those namespaces resolve there."""
+    from torch.fx import _graph_pickler
+
+    saved = _graph_pickler.GraphPickler.__init__
+
+    def init(self: Any, file: Any, options: Any = None) -> None:
+        if options is None:
+            options = _graph_pickler.Options(ops_filter=lambda name: name.startswith(_CHILD_NAMESPACES))
+        saved(self, file, options)
+
+    _graph_pickler.GraphPickler.__init__ = init
+    try:
+        yield
+    finally:
+        _graph_pickler.GraphPickler.__init__ = saved
+
+
+def _detach_view_values(gm: torch.fx.GraphModule) -> None:
+    """A node a pattern replacement added carries a view as its fake value (AOTAutograd's
+    own are not views), and Inductor's pickler keeps the view's base with its fake mode,
+    which does not pickle. The detached value has the same sizes, strides and offset."""
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and value._is_view():
+            node.meta["val"] = value.detach()
 
 
 def _current_shape_env() -> Any:
