@@ -13,8 +13,9 @@ from graphopt.models import DecoderConfig
 
 
 def cache_entries(cache_dir) -> list[Path]:
-    """A compile cache's entries: its files but the signing key."""
-    return sorted(p for p in Path(cache_dir).rglob("*") if p.is_file() and p.name != cache_trust.KEY_FILE)
+    """A compile cache's graph entries: its files but the signing key and the traced
+    search patterns (patterns/)."""
+    return sorted(p for p in Path(cache_dir).glob("??/*") if p.is_file() and p.name != cache_trust.KEY_FILE)
 
 
 # The compile cache's own fallbacks (a trace it could not store for a later process):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import functools
+import io
+import pickle
+import types
 from typing import Any, Callable, Sequence
 
 import torch
@@ -47,9 +50,12 @@ def inductor_decompositions() -> dict:
 
 def register_pattern(search_fn: Callable, replace_fn: Callable, example_inputs: Sequence[Any],
                      trace_fn: Callable, matcher: Any, extra_check: Callable,
-                     scalar_workaround: dict | None, search_fn_pattern: Any) -> list[Any]:
-    """Register one replacement with Inductor's matcher; returns the entries it added
-    (so the caller can wrap their checks, e.g. to count matches)."""
+                     scalar_workaround: dict | None, search_fn_pattern: Any,
+                     traced: bytes | None = None) -> tuple[list[Any], bytes | None]:
+    """Register one replacement with Inductor's matcher. Returns the entries it added
+    (so the caller can wrap their checks, e.g. to count matches) and the traced search
+    pattern as `dump_search` writes it, for a later process to pass back as `traced`
+    (then nothing is traced; None is returned in its place)."""
     from torch._inductor import pattern_matcher
 
     before = {id(e) for entries in matcher.patterns.values() for e in entries}
@@ -57,12 +63,76 @@ def register_pattern(search_fn: Callable, replace_fn: Callable, example_inputs: 
                               "search_fn_pattern": search_fn_pattern}
     if _accepts(pattern_matcher.register_replacement, "skip_duplicates"):
         kwargs["skip_duplicates"] = True
+    made: list[bytes] = []
+    trace = pattern_matcher.gen_pattern_and_search_gm
+
+    def search(*args: Any, **kw: Any) -> tuple[Any, Any]:
+        # What register_replacement traces first. Only the pattern and the graph's text are
+        # used from it (the text tells apart patterns equal but for constants they ignore);
+        # a match is still checked by tracing `search_fn` on the matched values.
+        loaded = _load_search(traced) if traced is not None else None
+        if loaded is not None:
+            return loaded[0], types.SimpleNamespace(graph=_Printed(loaded[1]))
+        pattern, gm = trace(*args, **kw)
+        made.extend(_dump_search(pattern, str(gm.graph)))
+        return pattern, gm
+
     # Patterns are registered lazily, possibly while a compiler traces with its own
     # fake mode: trace them outside it, as Inductor registers its own patterns.
-    with torch._guards.tracing(None), outside_fake_mode():
-        pattern_matcher.register_replacement(search_fn, replace_fn, list(example_inputs), trace_fn, matcher,
-                                             **kwargs)
-    return [e for entries in matcher.patterns.values() for e in entries if id(e) not in before]
+    pattern_matcher.gen_pattern_and_search_gm = search
+    try:
+        with torch._guards.tracing(None), outside_fake_mode():
+            pattern_matcher.register_replacement(search_fn, replace_fn, list(example_inputs), trace_fn, matcher,
+                                                 **kwargs)
+    finally:
+        pattern_matcher.gen_pattern_and_search_gm = trace
+    added = [e for entries in matcher.patterns.values() for e in entries if id(e) not in before]
+    return added, (made[0] if made else None)
+
+
+class _Printed:
+    def __init__(self, text: str):
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class _PatternPickler(pickle.Pickler):
+    """Inductor's patterns are plain objects but for the operators they name, which
+    pickle by name here."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch._ops.OpOverload):
+            return _operator, (obj.namespace, obj._opname, obj._overloadname)
+        if isinstance(obj, torch._ops.OpOverloadPacket):
+            namespace, name = obj._qualified_op_name.split("::")
+            return _operator, (namespace, name, None)
+        return NotImplemented
+
+
+def _operator(namespace: str, name: str, overload: str | None) -> Any:
+    packet = getattr(getattr(torch.ops, namespace), name)
+    return packet if overload is None else getattr(packet, overload)
+
+
+def _dump_search(pattern: Any, text: str) -> list[bytes]:
+    """[the pickled pattern], or [] where a pattern holds what does not pickle (it is
+    then traced in every process)."""
+    stream = io.BytesIO()
+    try:
+        _PatternPickler(stream, protocol=pickle.HIGHEST_PROTOCOL).dump((pattern, text))
+    except (pickle.PicklingError, TypeError, AttributeError):
+        return []
+    return [stream.getvalue()]
+
+
+def _load_search(data: bytes) -> tuple[Any, str] | None:
+    """The stored pattern, or None where this torch no longer has an operator it names."""
+    try:
+        return pickle.loads(data)
+    except (AttributeError, RuntimeError):
+        return None
 
 
 @functools.cache

@@ -36,6 +36,7 @@ from ..report import FallbackKind, GraphRecord, PassRecord, Report, first_line
 from . import precision
 from .base import PassResult
 from .fusion import fused_op_counts
+from .fusion.replacement import searches_cached_in
 from .memory_plan import memory_record
 
 PassFn = Callable[[torch.fx.GraphModule], PassResult]
@@ -91,17 +92,15 @@ def _canonical_and_fusions() -> list[str]:
 # Mutation-introducing passes go last: the passes before them see a functional graph.
 # At level 2 Inductor re-inplaces input mutations itself and expects a functional graph,
 # and it lowers a decomposed linear better than an `aten.linear` call.
-# fuse_packed_linear is level 1 only: it reads the `linear` that recompose_linear makes,
-# and at level 2 with frozen weights Inductor times each GEMM on its C++ template with
-# packed weights against ATen's and keeps the faster (backend.py, #26).
+# fuse_packed_linear is level 1 only: it reads the `linear` that recompose_linear makes, and
+# at level 2 with frozen weights Inductor times each GEMM's C++ template against ATen's.
 # convert_layout is level 1 only: Inductor chooses channels-last for convolution graphs
 # itself (GraphLowering.decide_layout_opt, always on CPU with oneDNN), and would have to
 # honour graphopt's explicit clones as copies.
 PIPELINES: dict[int, list[str]] = {
     0: [],
     1: [*CLEANUP, *_canonical_and_fusions(), "recompose_linear", "recompose_matmul", "fuse_packed_linear",
-        "convert_layout",
-        "reinplace_input_mutations", "reinplace_intermediates", "plan_memory"],
+        "convert_layout", "reinplace_input_mutations", "reinplace_intermediates", "plan_memory"],
     2: [*CLEANUP, *_canonical_and_fusions()],
 }
 
@@ -192,12 +191,13 @@ class PassManager:
             folder.mkdir(parents=True, exist_ok=True)
             _dump(gm, folder / "00_input")
         run = _Run(gm, graph_index, self.report, folder, verify_inputs, self.config, example_inputs)
-        for group in self._groups():
-            rounds = CLEANUP_ROUNDS if group[0][1] in CLEANUP else 1
-            for round_ in range(1, rounds + 1):
-                changed = [run.step(step, name, fn, round_) for step, name, fn in group]
-                if not any(changed):
-                    break
+        with searches_cached_in(self.config.cache_dir, self.report):
+            for group in self._groups():
+                rounds = CLEANUP_ROUNDS if group[0][1] in CLEANUP else 1
+                for round_ in range(1, rounds + 1):
+                    changed = [run.step(step, name, fn, round_) for step, name, fn in group]
+                    if not any(changed):
+                        break
         return gm
 
     def _groups(self) -> list[list[tuple[int, str, PassFn]]]:

@@ -10,19 +10,24 @@ Inductor's decompositions too, so one registration matches at both levels.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx
 
-from ... import _compat
+from ... import _compat, cache_trust
 from ..._compat import patterns
 from ..._compat.names import tree_flatten
+from ...cache import CompileCache, cache_key
 from ...config import tolerance
+from ...report import Report
 from ..base import PassResult
 from .fingerprint import Unkeyable, fingerprint
 
@@ -114,9 +119,13 @@ class PatternSet:
             return self._matchers[level]
 
 
+def _examples(pattern: Pattern) -> list[Any]:
+    return [f"tensor {tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else x
+            for x in pattern.example_inputs]
+
+
 def _pattern_fingerprint(pattern: Pattern) -> str:
-    examples = [f"tensor {tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else x
-                for x in pattern.example_inputs]
+    examples = _examples(pattern)
     parts = [pattern.name, repr(pattern.levels)]
     for role in ("search_fn", "replace_fn", "extra_check", "trace_fn", "search_fn_pattern", "scalar_workaround"):
         try:
@@ -153,14 +162,68 @@ def _inputs_first(graph: torch.fx.Graph) -> None:
         pending.extend(reversed(waiting.pop(node, [])))
 
 
+# Where traced search patterns are kept between processes: the compile cache of the
+# pipeline that is running (PassManager sets it), or None.
+_SEARCH_CACHE: contextvars.ContextVar[CompileCache | None] = contextvars.ContextVar("graphopt_search_cache",
+                                                                                     default=None)
+
+
+# Search patterns traced in this process, by _search_key: several sets search for the
+# same computation (a norm with and without its residual add, at each level).
+_TRACED: dict[str, bytes] = {}
+
+
+@contextlib.contextmanager
+def searches_cached_in(directory: str | None, report: Report) -> Iterator[None]:
+    """Inside, a pattern set registering its patterns loads each traced search pattern
+    from the compile cache in `directory` (None: no cache; they are kept in its
+    `patterns/`, apart from the graphs), or traces it and stores it there: tracing
+    about a hundred patterns is most of a small model's first level-1 compile
+    (docs/compile-cache.md)."""
+    token = _SEARCH_CACHE.set(CompileCache(Path(directory) / "patterns", report) if _trusted(directory) else None)
+    try:
+        yield
+    finally:
+        _SEARCH_CACHE.reset(token)
+
+
+def _trusted(directory: str | None) -> bool:
+    """The graph cache reports a directory it refuses; its patterns/ is not used either."""
+    try:
+        return directory is not None and cache_trust.check_directory(Path(directory)) is None
+    except (cache_trust.Untrusted, OSError):
+        return False
+
+
+def _search_key(pattern: Pattern, trace: Callable) -> str | None:
+    """What decides the traced search pattern (graphopt's and torch's versions are in
+    every key), or None where a function reads what no key can capture."""
+    try:
+        parts = [fingerprint(x) for x in (pattern.search_fn, trace, pattern.scalar_workaround, _examples(pattern))]
+    except Unkeyable:
+        return None
+    return cache_key("search pattern", *parts)
+
+
 def _register(pattern: Pattern, matcher: Any, counts: Counter, level: int) -> None:
     # The replacement is traced like the search: at level 2 with Inductor's
     # decompositions, since an op Inductor decomposes (gelu, prelu) cannot be put
     # back into its post-grad graph.
     trace = _inductor_trace if pattern.trace_fn is fwd_only and level == 2 else pattern.trace_fn
-    entries = patterns.register_pattern(
+    cache = _SEARCH_CACHE.get()
+    key = _search_key(pattern, trace) if pattern.search_fn_pattern is None else None
+    known = _TRACED.get(key) if key else None
+    if key and known is None and cache is not None:
+        known = cache.load(key)
+    entries, traced = patterns.register_pattern(
         pattern.search_fn, pattern.replace_fn, pattern.example_inputs, trace, matcher,
-        pattern.extra_check, pattern.scalar_workaround, pattern.search_fn_pattern)
+        pattern.extra_check, pattern.scalar_workaround, pattern.search_fn_pattern, traced=known)
+    if key and traced is not None:
+        _TRACED[key] = traced
+        if cache is not None:
+            cache.store(key, traced)
+    elif key and known is not None:
+        _TRACED[key] = known
     for entry in entries:
         entry.extra_check = _counting(entry.extra_check, pattern.name, counts)
 
