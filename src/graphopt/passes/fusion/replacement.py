@@ -19,8 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from ... import _compat
-from ..._compat import patterns
+from ..._compat import fake, patterns
 from ..._compat.names import tree_flatten
 from ...config import tolerance
 from ..base import PassResult
@@ -232,10 +231,10 @@ def _random_like(x: Any, generator: torch.Generator) -> Any:
     """A real tensor like `x` (which may be fake) with random values when floating."""
     if not isinstance(x, torch.Tensor):
         return x
-    with _compat.outside_fake_mode():
+    with fake.outside_fake_mode():
         if x.dtype.is_floating_point:
             return torch.randn(tuple(x.shape), generator=generator).to(dtype=x.dtype, device=x.device)
-        if _compat.is_fake(x):
+        if fake.is_fake(x):
             return torch.zeros(tuple(x.shape), dtype=x.dtype, device=x.device)
     return x
 
