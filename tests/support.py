@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 import torch.fx
 
-from graphopt import FallbackKind, _compat, cache_trust
+from graphopt import FallbackKind, cache_trust
+from graphopt._compat import aot_autograd
 from graphopt.models import DecoderConfig
 
 
@@ -55,11 +56,11 @@ def aot_graph(fn, *args) -> AtenGraph:
 
     def backend(gm, example_inputs):
         orders.append([next(i for i, a in enumerate(traced_args) if a is x) for x in example_inputs])
-        return _compat.aot_inference(gm, example_inputs, fw_compiler)
+        return aot_autograd.aot_inference(gm, example_inputs, fw_compiler)
 
     def fw_compiler(gm, _inputs):
         graphs.append(gm)
-        return _compat.boxed(gm)
+        return aot_autograd.boxed(gm)
 
     torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)(*traced_args)
     assert len(graphs) == 1

@@ -24,6 +24,7 @@ from support import cache_entries as entries
 
 import graphopt
 from graphopt import FallbackKind, cache
+from graphopt._compat import aot_autograd
 from graphopt.backend.backend import Backend
 from graphopt.config import GraphOptimizationConfig
 from graphopt.models import generate
@@ -89,7 +90,7 @@ def test_level_1_hit_skips_aot_autograd_and_the_passes(decoder, tmp_path, monkey
     def refuse(*args, **kwargs):
         raise AssertionError("a level-1 hit traced again")
 
-    monkeypatch.setattr(graphopt._compat, "aot_inference", refuse)
+    monkeypatch.setattr(aot_autograd, "aot_inference", refuse)
     monkeypatch.setattr(graphopt.passes.manager.PassManager, "run", refuse)
     tokens, report = run(decoder, tmp_path)
     assert torch.equal(tokens, generate(decoder, PROMPTS, 6)) and report.cache_hits == 1
@@ -126,7 +127,7 @@ def test_level_1_hit_on_a_step_that_returns_an_input_skips_aot_autograd(tmp_path
     def refuse(*args, **kwargs):
         raise AssertionError("a level-1 hit traced AOTAutograd again")
 
-    monkeypatch.setattr(graphopt._compat, "aot_inference", refuse)
+    monkeypatch.setattr(aot_autograd, "aot_inference", refuse)
     assert start().cache_hits == 1
 
 

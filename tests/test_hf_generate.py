@@ -21,7 +21,8 @@ import torch
 from support import unexpected_fallbacks
 
 import graphopt
-from graphopt import FallbackKind, _compat
+from graphopt import FallbackKind
+from graphopt._compat import inductor
 
 transformers = pytest.importorskip("transformers")
 
@@ -141,7 +142,7 @@ def config_for(level: int) -> graphopt.GraphOptimizationConfig:
 
 
 def skip_without_inductor(level: int) -> None:
-    if level == 2 and not _compat.inductor_available():
+    if level == 2 and not inductor.inductor_available():
         pytest.skip("graph_opt_level=2 needs a C++ compiler for Inductor on CPU")
 
 

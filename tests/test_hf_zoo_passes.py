@@ -19,7 +19,7 @@ import torch
 from support import unexpected_fallbacks
 
 import graphopt
-from graphopt import _compat
+from graphopt._compat import inductor
 from graphopt.config import tolerance
 from graphopt.passes import manager
 
@@ -92,7 +92,7 @@ def _tensors(output: Any) -> dict[str, torch.Tensor]:
 
 def _check(name: str, level: int, kwargs: dict[str, Any]) -> None:
     """Optimize model `name` at `level`, call it with `kwargs`: eager's outputs, no fallback."""
-    if level == 2 and not _compat.inductor_available():
+    if level == 2 and not inductor.inductor_available():
         pytest.skip("graph_opt_level=2 needs a C++ compiler for Inductor on CPU")
     torch.manual_seed(0)
     model = MODELS[name]().eval()

@@ -104,7 +104,15 @@ def test_private_torch_only_in_compat():
     found = [f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}" for path in modules()
              if "_compat" not in path.relative_to(PACKAGE).parts
              for number, line in enumerate(path.read_text().splitlines(), 1) if PRIVATE_TORCH.search(line)]
-    assert not found, "private torch outside _compat/ (add a name to _compat/names.py):\n" + "\n".join(found)
+    assert not found, "private torch outside _compat/ (wrap it in the _compat/ module of its part of torch, " \
+        "or add a name to _compat/names.py):\n" + "\n".join(found)
+
+
+def test_compat_re_exports_nothing():
+    """Callers import the `_compat/` module of the part of torch they use, so a
+    monkeypatch of a wrapper on that module reaches every call of it."""
+    tree = ast.parse((PACKAGE / "_compat" / "__init__.py").read_text())
+    assert [type(node) for node in tree.body] == [ast.Expr], "_compat/__init__.py holds only its docstring"
 
 
 def test_the_private_torch_check_sees_each_form():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import graphopt
+from graphopt._compat import inductor
 from graphopt.config import tolerance, with_mode
 
 ATOL, RTOL = tolerance(torch.float32)
@@ -54,7 +55,7 @@ def test_an_unknown_mode_names_the_known_ones() -> None:
 
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune-no-cudagraphs"])
 def test_torch_compile_by_name_with_a_mode(mode: str) -> None:
-    if mode.startswith("max-autotune") and not graphopt._compat.inductor_available():
+    if mode.startswith("max-autotune") and not inductor.inductor_available():
         pytest.skip("level 2 needs a C++ compiler for Inductor on CPU")
     torch._dynamo.reset()
     compiled = torch.compile(_step, backend="graphopt", mode=mode, dynamic=False)

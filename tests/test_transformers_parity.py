@@ -15,7 +15,7 @@ import torch
 from support import assert_close_tree, unexpected_fallbacks
 
 import graphopt
-from graphopt import _compat
+from graphopt._compat import inductor
 from graphopt.config import tolerance
 
 transformers = pytest.importorskip("transformers")
@@ -100,7 +100,7 @@ SLOW = {("qwen2", 2)}
     pytest.param(name, level, id=f"{name}-L{level}", marks=[pytest.mark.slow] if (name, level) in SLOW else [])
     for name in MODELS for level in LEVELS])
 def test_parity_with_eager(name: str, level: int) -> None:
-    if level == 2 and not _compat.inductor_available():
+    if level == 2 and not inductor.inductor_available():
         pytest.skip("graph_opt_level=2 needs a C++ compiler for Inductor on CPU")
     model = _build(name)
     opt = _optimize(model, level)

@@ -4,7 +4,7 @@ Capture a model's step as a graph, rewrite it (fold, fuse, re-inplace, plan memo
 optionally compile it with Inductor, and replay it as a device graph.
 """
 
-from ._compat import register_dynamo_backend
+from ._compat.dynamo import register_dynamo_backend
 from .api.optimize import OptimizedFunction, OptimizedModule, optimize, support_graph_optimization
 from .api.step import DynamicDims
 from .backend.backend import Backend

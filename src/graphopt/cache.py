@@ -35,8 +35,9 @@ from typing import Any, Collection
 import torch
 import torch.fx
 
-from . import _compat, cache_trust
+from . import cache_trust
 from ._compat import cache as compat
+from ._compat import fake
 from ._compat.names import OpOverload
 from .kernels import IMPLEMENTATIONS
 from .report import FallbackKind, GraphRecord, Report
@@ -107,9 +108,9 @@ def describe_value(value: Any) -> str:
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
-    if _compat.is_fake(tensor) or tensor.device.type == "meta":
+    if fake.is_fake(tensor) or tensor.device.type == "meta":
         return "fake"
-    with _compat.outside_fake_mode():  # a CUDA tensor's bytes are read on the host
+    with fake.outside_fake_mode():  # a CUDA tensor's bytes are read on the host
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
     return hashlib.sha256(data).hexdigest()[:16]
 
@@ -236,7 +237,7 @@ class CompileCache:
         """Store `payload` under `key`; whether it was written (a failure is reported)."""
         try:
             # Outside the compiler's FakeTensorMode: pickling a CUDA tensor copies it to the host.
-            with _compat.outside_fake_mode():
+            with fake.outside_fake_mode():
                 body = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as error:  # noqa: BLE001 - an unpicklable argument costs the entry, not the compile
             self.report.fallback(FallbackKind.CACHE_NOT_STORED,

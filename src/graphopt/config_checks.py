@@ -143,9 +143,9 @@ def inductor_compile_config(value: object, freeze_parameters: bool) -> dict[str,
         raise TypeError(f"{accepted}, got {describe(value)}")
     if not value:
         return {}
-    from . import _compat
+    from ._compat import inductor
 
-    known = _compat.inductor_option_names()
+    known = inductor.inductor_option_names()
     for key, option in value.items():
         if not isinstance(key, str) or key not in known:
             close = difflib.get_close_matches(key, known, n=1) if isinstance(key, str) else []

@@ -7,7 +7,7 @@ from support import targets
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import graphopt
-from graphopt import _compat
+from graphopt._compat import inductor
 from graphopt.passes.constant_fold import (
     FOLDED_RECIPES,
     FROZEN_INPUTS,
@@ -242,7 +242,7 @@ def test_fold_node_converts_a_frozen_weight_once_and_leaves_live_inputs():
     torch.testing.assert_close(gm(x, w), fn(x, w), atol=0, rtol=0)
 
 
-@pytest.mark.skipif(not _compat.inductor_available(), reason="Inductor needs a C++ compiler")
+@pytest.mark.skipif(not inductor.inductor_available(), reason="Inductor needs a C++ compiler")
 def test_at_level_2_a_library_kernel_reads_a_folded_constant():
     """Inductor calls SDPA on CPU as a library kernel and hands it a constant as the
     real tensor, under the compile's fake mode (Qwen3's causal mask at batch 1)."""

@@ -10,10 +10,10 @@ from decoder_spellings import LAYERS, SPELLINGS, decode_inputs, prefill_inputs
 from support import unexpected_fallbacks
 
 import graphopt
-from graphopt import _compat
+from graphopt._compat import inductor
 from graphopt.config import tolerance
 
-LEVEL_2 = pytest.mark.skipif(not _compat.inductor_available(), reason="level 2 needs a C++ compiler")
+LEVEL_2 = pytest.mark.skipif(not inductor.inductor_available(), reason="level 2 needs a C++ compiler")
 # A prefill, decode steps whose rows sit at different positions, then a batch of
 # another size (rows that the prefill never wrote read a cache of zeros, in both).
 STEPS = [prefill_inputs(2, 5), decode_inputs(2, 5), decode_inputs(2, 6, seed=1), decode_inputs(3, 7, seed=2)]

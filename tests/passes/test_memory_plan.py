@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from support import aot_graph, decode_inputs
 
 import graphopt
-from graphopt import _compat
+from graphopt._compat import aot_autograd, fake
 from graphopt.arena import ALIGN, aligned, live_bytes, plan_offsets
 from graphopt.config import GraphOptimizationConfig
 from graphopt.passes.manager import PassManager
@@ -136,7 +136,7 @@ def real_lifetimes(gm: torch.fx.GraphModule, inputs: list) -> dict[torch.fx.Node
                         last[p] = index[node]
             return result
 
-    with _compat.outside_fake_mode(), torch.no_grad():
+    with fake.outside_fake_mode(), torch.no_grad():
         Recorder(gm, garbage_collect_values=False).run(*[x.clone() for x in inputs])
     return {node: (first, last[p]) for p, (node, first) in made.items()}
 
@@ -183,8 +183,8 @@ def test_plans_of_random_programs_are_sound(program):
         def compile_fw(aot_gm, _):
             PassManager(config, report).run(aot_gm, 0, verify_inputs=list(example_inputs))
             graphs.append((aot_gm, list(example_inputs)))
-            return _compat.boxed(aot_gm)
-        return _compat.aot_inference(gm, example_inputs, compile_fw)
+            return aot_autograd.boxed(aot_gm)
+        return aot_autograd.aot_inference(gm, example_inputs, compile_fw)
 
     with torch.no_grad():
         torch.compile(model, backend=backend, dynamic=False)(x, y)

@@ -5,7 +5,7 @@ import torch
 from support import targets
 
 import graphopt
-from graphopt import _compat
+from graphopt._compat import inductor
 from graphopt.passes import manager
 from graphopt.passes.base import PassResult
 from graphopt.passes.canonical import canonical_passes
@@ -86,7 +86,7 @@ class Projection(torch.nn.Module):
         return x @ (self.weight * 0.5).t()
 
 
-@pytest.mark.skipif(not _compat.inductor_available(), reason="Inductor needs a C++ compiler")
+@pytest.mark.skipif(not inductor.inductor_available(), reason="Inductor needs a C++ compiler")
 def test_level_2_folds_and_refreshes_inside_inductor():
     model = Projection().eval()
     opt = optimized(model, level=2, freeze_parameters=True)
@@ -103,15 +103,15 @@ def test_level_2_folds_and_refreshes_inside_inductor():
         torch.testing.assert_close(opt(x), model(x))
 
 
-@pytest.mark.skipif(not _compat.inductor_available(), reason="Inductor needs a C++ compiler")
+@pytest.mark.skipif(not inductor.inductor_available(), reason="Inductor needs a C++ compiler")
 def test_level_2_takes_inductor_options_and_refresh_repacks_packed_weights(monkeypatch):
     """inductor_compile_config reaches Inductor on top of graphopt's options; with
     the C++ GEMM template packing frozen weights at compile time, refresh() compiles
     the graph again (without Inductor's caches), so the output follows an in-place
     weight update instead of reading stale packed copies."""
     seen = []
-    compile_ = _compat.inductor_compile
-    monkeypatch.setattr(_compat, "inductor_compile",
+    compile_ = inductor.inductor_compile
+    monkeypatch.setattr(inductor, "inductor_compile",
                         lambda gm, inputs, post, uuid, options: seen.append(options) or
                         compile_(gm, inputs, post, uuid, options))
     model = Projection().eval()
@@ -134,15 +134,15 @@ def test_level_2_takes_inductor_options_and_refresh_repacks_packed_weights(monke
     assert len(report.passes) == len({(p.graph, p.name) for p in report.passes})  # the first compile's records
 
 
-@pytest.mark.skipif(not _compat.inductor_available(), reason="Inductor needs a C++ compiler")
+@pytest.mark.skipif(not inductor.inductor_available(), reason="Inductor needs a C++ compiler")
 @pytest.mark.parametrize("asked", [{}, {"max_autotune_gemm": False}], ids=["default", "switched-off"])
 def test_level_2_with_frozen_weights_times_each_gemm_and_keeps_the_faster(monkeypatch, asked):
     """On the CPU with freeze_parameters=True, level 2 lets Inductor time each GEMM with
     its C++ template (packed weights) and with ATen's, and keep the faster; the report
     lists each choice with its times. The user's inductor_compile_config can switch it off."""
     seen = []
-    compile_ = _compat.inductor_compile
-    monkeypatch.setattr(_compat, "inductor_compile",
+    compile_ = inductor.inductor_compile
+    monkeypatch.setattr(inductor, "inductor_compile",
                         lambda gm, inputs, post, uuid, options: seen.append(options) or
                         compile_(gm, inputs, post, uuid, options))
     model = Projection(96, 64).eval()  # a weight folded into a constant, which the C++ template packs

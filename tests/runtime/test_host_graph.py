@@ -12,7 +12,8 @@ from support import decode_inputs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphopt
-from graphopt import FallbackKind, _compat
+from graphopt import FallbackKind
+from graphopt._compat.ops import current_dispatch_mode
 from graphopt.config import tolerance
 from graphopt.runtime import native_tape
 from graphopt.runtime.analysis.safety import CaptureError
@@ -266,7 +267,7 @@ def test_capture_error_aborts_with_reset_and_leaves_no_mode_behind():
     with pytest.raises(CaptureError):
         torch.tensor([1.0, 2.0]).sum().item()
     graph.reset()
-    assert _compat.current_dispatch_mode() is None
+    assert current_dispatch_mode() is None
     with pytest.raises(RuntimeError, match="nothing is captured"):
         graph.replay()
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from graphopt import _compat
+from graphopt._compat import dynamo
 from graphopt.runtime.analysis.signature import BatchMismatch, Signature, batch_candidates, signature_of
 
 LINEAR = torch.nn.Linear(4, 4)
@@ -29,13 +29,13 @@ def read(fn, *args, written=None, dynamic_dims=None, mixing=None, pad_values=Non
 
     for arg in args:
         if isinstance(arg, torch.Tensor) and arg.dim() and arg.shape[0] > 1:
-            _compat.mark_dynamic(arg, 0)
+            dynamo.mark_dynamic(arg, 0)
     torch.compile(fn, backend=backend, fullgraph=True)(*args)
     ((gm, inputs),) = graphs
     candidates = batch_candidates(gm, dynamic_dims, inputs)
     mixing = {symbols: mixing for symbols in candidates}
     written = written or (lambda kinds: [False] * len(kinds))
-    kinds = [kind for kind, _, _ in _compat.graph_inputs(gm, inputs)]
+    kinds = [kind for kind, _, _ in dynamo.graph_inputs(gm, inputs)]
     return signature_of(gm, dynamic_dims, pad_values or {}, written(kinds), inputs, mixing)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import io
 import pickle
 import types
@@ -11,7 +12,12 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from . import _accepts, outside_fake_mode
+from .fake import outside_fake_mode
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    """Whether this torch's `fn` takes keyword `name` (one added in a later release)."""
+    return name in inspect.signature(fn).parameters
 
 
 def pattern_matcher_pass(name: str) -> Any:

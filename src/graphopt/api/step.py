@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .. import _compat
+from .._compat import dynamo
 from .._compat.names import tree_leaves
 from ..backend.backend import Backend
 from ..config import GraphOptimizationConfig
@@ -72,7 +72,7 @@ class Step:
     def mark_dynamic(self, args: tuple, kwargs: dict) -> None:
         for leaf, dim in zip(tree_leaves((args, kwargs)), self.leaf_dims(args, kwargs)):
             if dim is not None:
-                _compat.mark_dynamic(leaf, dim)
+                dynamo.mark_dynamic(leaf, dim)
 
     def leaf_dims(self, args: tuple, kwargs: dict) -> list[int | None]:
         """The dynamic dim of every leaf of tree_flatten((args, kwargs)): dim 0 of

@@ -23,9 +23,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx
 
-from .. import _compat
+from .._compat import dynamo, inductor, trace_graph
 from .._compat import recompile as compat_recompile
-from .._compat import trace_graph
 from .._compat.names import RECOMPILE_LIMIT
 from ..config import AUTO_LEVEL, GraphOptimizationConfig, with_mode
 from ..passes.fusion.replacement import Unkeyable
@@ -86,7 +85,7 @@ class Backend:
         self.cache = BackendCache(self.config, self._report)
         self.compiler = GraphCompiler(self.config, self._report, self.cache, self.graph_modules, self.repackables)
         if self.config.graph_opt_level in (2, AUTO_LEVEL) and not torch.cuda.is_available():
-            _compat.check_cpu_isas_early()  # shortens a cold start (docs/compile-cache.md)
+            inductor.check_cpu_isas_early()  # shortens a cold start (docs/compile-cache.md)
 
     def report(self) -> Report:
         return self._report
@@ -235,7 +234,7 @@ class Backend:
         self._report.level_choices.append(record)
         if "level" in record:
             return self._runtime_at(gm, example_inputs, record["level"], fingerprint)[0]
-        stateful = tiers.stateful_inputs(_compat.input_kinds(gm), example_inputs)
+        stateful = tiers.stateful_inputs(dynamo.input_kinds(gm), example_inputs)
         background = tiers.background_compile(device_type(example_inputs), self.config, self.cache.off)
         return tiers.choose(lambda level: self._runtime_at(gm, example_inputs, level, fingerprint)[0], gm,
                             stateful, record, self._report, functools.partial(self.cache.store_choice, key),
@@ -272,7 +271,7 @@ class Backend:
         """The level that runs on `device`: level 2 (and "auto") needs a C++ compiler on the CPU."""
         if device not in self._levels:
             level = self.config.graph_opt_level
-            if level in (2, AUTO_LEVEL) and device == "cpu" and not _compat.inductor_available():
+            if level in (2, AUTO_LEVEL) and device == "cpu" and not inductor.inductor_available():
                 self._report.fallback(FallbackKind.LEVEL,
                                       f"graph_opt_level={level!r}: Inductor found no C++ compiler for CPU code; "
                                       "running level 1 (install gcc or clang to compile)")

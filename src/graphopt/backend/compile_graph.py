@@ -18,8 +18,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from .. import _compat, cache
-from .._compat import autotune, trace_graph
+from .. import cache
+from .._compat import aot_autograd, autotune, dynamo, inductor, shapes, trace_graph
 from .._compat import cache as compat_cache
 from ..config import GraphOptimizationConfig
 from ..config_checks import WEIGHT_COPYING_INDUCTOR_OPTIONS
@@ -59,8 +59,8 @@ class GraphCompiler:
             self.cache.note_bypass(fingerprint)
         record = GraphRecord(index=len(self.report.graphs))
         self.report.graphs.append(record)
-        real_inputs = _aot_args(gm, [_compat.concrete(x) for x in example_inputs])
-        kinds = ["parameter"] * (len(real_inputs) - len(example_inputs)) + _compat.input_kinds(gm)
+        real_inputs = _aot_args(gm, [shapes.concrete(x) for x in example_inputs])
+        kinds = ["parameter"] * (len(real_inputs) - len(example_inputs)) + dynamo.input_kinds(gm)
         start = time.perf_counter()
         if level == 1:
             compiled = self._level1(gm, example_inputs, record, real_inputs, kinds, key)
@@ -95,7 +95,7 @@ class GraphCompiler:
             nonlocal entry
             if graphs is not None:
                 self._restore(stored, record, graphs[1])
-                return _compat.boxed(graphs[0])
+                return aot_autograd.boxed(graphs[0])
             records = self._optimize(aot_gm, record, real_inputs, kinds, level=1)
             lowered = lower_to_bindings(aot_gm)
             graph_inputs = len(aot_gm.graph.find_nodes(op="placeholder"))
@@ -103,9 +103,9 @@ class GraphCompiler:
             entry = self.cache.store(key, {**records, "direct": dims}, aot_gm, lowered, real_inputs)
             if dims is not None:
                 direct.append(compat_cache.call_like_aot(lowered, dims))
-            return _compat.boxed(lowered)
+            return aot_autograd.boxed(lowered)
 
-        compiled = _compat.aot_inference(gm, example_inputs, fw_compiler)
+        compiled = aot_autograd.aot_inference(gm, example_inputs, fw_compiler)
         return Compiled(direct[0] if direct else compiled, entry)
 
     def _inductor(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], record: GraphRecord,
@@ -134,11 +134,11 @@ class GraphCompiler:
         bundled = key is not None and not self.config.freeze_parameters
         with trace_graph.bundled_inductor_cache() if bundled else contextlib.nullcontext(), \
                 autotune.gemm_choices() as gemms:
-            compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, passes, options)
+            compiled = inductor.inductor_compile(gm, example_inputs, post_grad_pass, passes, options)
             if key is not None and not optimized and entry is None:
                 # Inductor's cache had the code but graphopt's records are gone: compile once more for them.
                 options["force_disable_caches"] = True
-                compiled = _compat.inductor_compile(gm, example_inputs, post_grad_pass, passes, options)
+                compiled = inductor.inductor_compile(gm, example_inputs, post_grad_pass, passes, options)
         record.gemms = gemms
         if optimized:
             records = optimized[-1][1]
@@ -151,7 +151,7 @@ class GraphCompiler:
         renews = not optimized or any(options.get(k) for k in WEIGHT_COPYING_INDUCTOR_OPTIONS)
         if self.config.freeze_parameters and renews:
             inputs = list(example_inputs)
-            again = functools.partial(_compat.inductor_compile, gm, inputs, post_grad_pass, passes,
+            again = functools.partial(inductor.inductor_compile, gm, inputs, post_grad_pass, passes,
                                       {**options, **RECOMPILE_OPTIONS})
             compiled = Repackable(compiled, again, optimized, self.graph_modules, self.report,
                                   held=[inputs, real_inputs])

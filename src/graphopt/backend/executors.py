@@ -31,7 +31,7 @@ import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .. import _compat
+from .._compat import dynamo, fake, ops
 from .._compat.names import TorchDispatchMode
 from ..config import GraphOptimizationConfig
 from ..kernels.collective import is_collective_op
@@ -106,12 +106,12 @@ class Choice:
 
 def _not_stateless(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> str | None:
     """Why `gm` cannot leave torch (the first reason), or None."""
-    fake_mode, fakes = _compat.backend_fakes(example_inputs)
+    fake_mode, fakes = fake.backend_fakes(example_inputs)
     if fake_mode is None:
         return "it was not compiled by torch.compile (no fake mode to inspect it in)"
     watcher = _StateWatcher(fakes)
     try:
-        with _compat.fake_tracing(fake_mode), watcher:
+        with fake.fake_tracing(fake_mode), watcher:
             outputs = gm(*fakes)
     except Exception as error:  # noqa: BLE001 - unknown state: it stays with graphopt
         return f"it could not be run on fake tensors to look for state ({type(error).__name__})"
@@ -138,7 +138,7 @@ class _StateWatcher(TorchDispatchMode):
                 self.why = f"it calls the collective {func.overloadpacket}"
             elif torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs):
                 self.why = f"it draws random numbers ({func.overloadpacket})"
-            for value in _compat.written_arguments(func, args, kwargs):
+            for value in ops.written_arguments(func, args, kwargs):
                 if isinstance(value, torch.Tensor) and self.why is None:
                     storage = StorageWeakRef(value.untyped_storage())
                     written = [i for i, s in self.inputs if s == storage]
@@ -163,7 +163,7 @@ class _Bound(torch.nn.Module):
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]):
         super().__init__()
         self.gm = gm
-        kinds = _compat.input_kinds(gm)
+        kinds = dynamo.input_kinds(gm)
         placeholders = gm.graph.find_nodes(op="placeholder")
         self.plan: list[tuple] = []
         self.live: list[int] = []
@@ -247,7 +247,7 @@ def _session(engine: str, bound: _Bound, inputs: list) -> Callable[[list], list]
     import onnx  # noqa: F401  (the exporter needs onnx and onnxscript)
     import onnxscript  # noqa: F401
 
-    with quiet_export(), _compat.outside_fake_mode(), torch.no_grad():
+    with quiet_export(), fake.outside_fake_mode(), torch.no_grad():
         program = torch.onnx.export(bound, live, dynamo=True, dynamic_shapes=bound.dynamic_shapes())
     model = program.model_proto.SerializeToString()
     threads = torch.get_num_threads()  # the threads torch would use: a fair race

@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import _compat
+from .._compat import dynamo
 from ..passes.constant_fold import FROZEN_INPUTS
 from ..report import FallbackKind
 
@@ -105,7 +105,7 @@ def watch(runtime: Callable, gm: torch.fx.GraphModule, example_inputs: Sequence[
     """`runtime` behind a FrozenWatch of the parameters and buffers Dynamo passes to `gm`."""
     _count_assignments()
     positions, tensors, names = [], [], []
-    described = zip(example_inputs, _compat.input_kinds(gm), _compat.input_sources(gm))
+    described = zip(example_inputs, dynamo.input_kinds(gm), dynamo.input_sources(gm))
     for i, (value, kind, source) in enumerate(described):
         if kind != "input" and isinstance(value, torch.Tensor) and not value.is_inference():
             positions.append(i)
@@ -122,7 +122,7 @@ UNFROZEN = ("freeze_parameters=False: a graph ran in inference (no grad) with it
 def note_unfrozen(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], report: Any) -> None:
     """Say once (a note) that a graph run in inference could have run on frozen weights: it takes some."""
     takes_weights = any(kind != "input" and isinstance(x, torch.Tensor)
-                        for x, kind in zip(example_inputs, _compat.input_kinds(gm)))
+                        for x, kind in zip(example_inputs, dynamo.input_kinds(gm)))
     if takes_weights and UNFROZEN not in report.notes:
         report.notes.append(UNFROZEN)
 

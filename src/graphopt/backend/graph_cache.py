@@ -27,7 +27,8 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.fx
 
-from .. import _compat, cache
+from .. import cache
+from .._compat import fake
 from ..config import GraphOptimizationConfig
 from ..passes.constant_fold import FOLDED_RECIPES, FROZEN_INPUTS
 from ..passes.fusion.replacement import USER_PATTERNS, Unkeyable
@@ -212,7 +213,7 @@ class BackendCache:
 def weight_indices(inputs: list, kinds: list[str]) -> list[int]:
     """The inputs a frozen key may cover: real tensors that are parameters or buffers."""
     return [i for i, (x, kind) in enumerate(zip(inputs, kinds))
-            if kind in WEIGHT_KINDS and isinstance(x, torch.Tensor) and not _compat.is_fake(x)]
+            if kind in WEIGHT_KINDS and isinstance(x, torch.Tensor) and not fake.is_fake(x)]
 
 
 def written_buffers(gm: torch.fx.GraphModule, kinds: list[str]) -> set[int]:
@@ -274,7 +275,7 @@ def bind(stored: dict, inputs: list, kinds: list[str]) -> tuple[torch.fx.GraphMo
     values: dict[str, torch.Tensor] = {}
     recipes: dict[str, torch.fx.GraphModule] = {}
     # Outside inference mode: refresh() updates the values in place later.
-    with _compat.outside_fake_mode(), torch.inference_mode(False), torch.no_grad():
+    with fake.outside_fake_mode(), torch.inference_mode(False), torch.no_grad():
         for name, dumped in frozen["recipes"]:
             recipe = recipes[name] = cache.load_graph(dumped, values)
             values[name] = recipe(*[weights[p.target] for p in recipe.graph.find_nodes(op="placeholder")])

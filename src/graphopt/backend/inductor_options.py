@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _compat
-from .._compat import autotune
+from .._compat import autotune, distributed
 
 
 def inductor_options(device_type: str, cached: bool, frozen: bool = False) -> dict[str, Any]:
@@ -22,7 +21,7 @@ def inductor_options(device_type: str, cached: bool, frozen: bool = False) -> di
         # shapes only, so each such GEMM is timed against ATen's (GraphRecord.gemms); the
         # compile cache keeps the timings (docs/configuration.md, "Level 2: Inductor").
         options.update(max_autotune_gemm=True, max_autotune_gemm_backends="CPP,ATEN", autotune_local_cache=cached)
-    if device_type == "cpu" and not _compat.distributed_initialized():
+    if device_type == "cpu" and not distributed.distributed_initialized():
         # A C++ wrapper instead of a Python one: a small decode step runs faster, for a
         # longer compile (docs/configuration.md, "Measured: Inductor settings on the CPU").
         # It cannot call c10d's collectives, so a process with a process group goes without.

@@ -16,8 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from .. import _compat
-from .._compat import names
+from .._compat import fake, names
 from .._compat.names import tree_map
 from ..bindings import exact_binding
 from ..kernels import IMPLEMENTATIONS
@@ -39,7 +38,7 @@ def lower_to_bindings(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     provably the same operator; `gm` itself stays an ATen graph."""
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    fake_mode = _compat.fake_mode_of(gm)
+    fake_mode = fake.fake_mode_of(gm)
     if fake_mode is not None:
         for node in graph.nodes:
             if node.target is torch.ops.aten.slice.Tensor:

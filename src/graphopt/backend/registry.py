@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import _compat
+from .._compat import dynamo
 from ..config import GraphOptimizationConfig
 from .backend import Backend
 
@@ -40,7 +40,7 @@ def graphopt_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
                      options: dict[str, Any] | None = None) -> Callable:
     """`torch.compile(model, backend="graphopt", mode=..., options={...})`: options are
     GraphOptimizationConfig keys; the graphs of one torch.compile call share a Backend."""
-    call = _compat.compile_call()
+    call = dynamo.compile_call()
     backend = _backend_of(call, options)
     if backend is None:
         backend = Backend(GraphOptimizationConfig.from_dict(options or {}), mode=mode)

@@ -8,7 +8,7 @@ import math
 import torch
 import torch.fx
 
-from .. import _compat
+from .._compat import fake
 from .base import GraphFacts, PassResult, is_contiguous, same_layout, value_of
 
 aten = torch.ops.aten
@@ -116,7 +116,7 @@ def _fill_value(gm: torch.fx.GraphModule, arg: object) -> object:
     if arg.op == "get_attr":
         tensor = functools.reduce(getattr, arg.target.split("."), gm)
         if isinstance(tensor, torch.Tensor) and 0 < tensor.numel() <= _INSPECT_NUMEL:
-            with _compat.outside_fake_mode():
+            with fake.outside_fake_mode():
                 first = tensor.reshape(-1)[0]
                 if bool((tensor == first).all()):
                     return first.item()

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from .._compat import known_true, same_sizes, written_arguments
 from .._compat.names import OpOverload
+from .._compat.ops import written_arguments
+from .._compat.shapes import known_true, same_sizes
 from ..kernels.collective import is_collective_op
 
 

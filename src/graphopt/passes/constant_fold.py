@@ -15,7 +15,7 @@ import operator
 import torch
 import torch.fx
 
-from .. import _compat
+from .._compat import fake
 from .._compat.names import OpOverload, tree_leaves
 from .base import GraphFacts, PassResult, has_effect, is_view
 
@@ -109,7 +109,7 @@ def _allow_constants_in_inductor(gm: torch.fx.GraphModule) -> None:
     a folded causal mask) as the real tensor, under the compile's fake mode, which
     refuses real tensors unless told otherwise. Inductor's freezing, which adds
     constants to the graph as folding does, tells it so."""
-    mode = _compat.fake_mode_of(gm)
+    mode = fake.fake_mode_of(gm)
     if mode is not None:
         mode.allow_non_fake_inputs = True
 
@@ -127,7 +127,7 @@ def refresh_folded_constants(gm: torch.fx.GraphModule) -> int:
     buffers keep their addresses, so captured device graphs stay valid."""
     frozen = gm.meta.get(FROZEN_INPUTS, {})
     recipes = gm.meta.get(FOLDED_RECIPES, {})
-    with _compat.outside_fake_mode(), torch.inference_mode(False), torch.no_grad():
+    with fake.outside_fake_mode(), torch.inference_mode(False), torch.no_grad():
         for name, recipe in recipes.items():  # in folding order: later recipes read earlier values
             args = [frozen[p.target] for p in recipe.graph.find_nodes(op="placeholder")]
             getattr(gm, name).copy_(recipe(*args))
@@ -190,7 +190,7 @@ def _evaluate(gm: torch.fx.GraphModule, folds: list[torch.fx.Node], frozen: dict
     whose op fails on real tensors is left out, and so is everything computed from it."""
     needed = _ancestors(folds)
     env: dict[torch.fx.Node, object] = {}
-    with _compat.outside_fake_mode(), torch.inference_mode(False), torch.no_grad():
+    with fake.outside_fake_mode(), torch.inference_mode(False), torch.no_grad():
         for node in gm.graph.nodes:
             if node not in needed:
                 continue

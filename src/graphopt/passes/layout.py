@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from .. import _compat
+from .._compat import fake, shapes
 from .._compat.names import OpOverload, tensor_leaves, tree_leaves
 from .base import STRIDE_READERS, GraphFacts, PassResult, alias_root, has_effect, same_layout, written_roots
 from .constant_fold import constant_nodes, fold_node
@@ -77,7 +77,7 @@ def convert_layout(gm: torch.fx.GraphModule) -> PassResult:
     graph = gm.graph
     facts = GraphFacts(graph)
     removed = _cancel_conversions(facts, graph)
-    fake_mode = _compat.fake_mode_of(gm)
+    fake_mode = fake.fake_mode_of(gm)
     written = written_roots(graph)
     seeds = [n for n in graph.nodes if _seed(n) and not _fixed(n, written)]
     plan = _plan(graph, seeds, written, fake_mode) if seeds and fake_mode is not None else None
@@ -107,7 +107,7 @@ def _conv_inputs(convs: list[torch.fx.Node]) -> int:
 
 def _elements(node: torch.fx.Node) -> int:
     val = node.meta.get("val")
-    return _compat.size_hint(val.numel()) if isinstance(val, torch.Tensor) else 0
+    return shapes.size_hint(val.numel()) if isinstance(val, torch.Tensor) else 0
 
 
 def channels_last_faster(device: torch.device, dtype: torch.dtype) -> bool:
@@ -309,9 +309,9 @@ def _has_strides(val: Any, order: tuple[int, ...]) -> bool:
     expected = 1
     for d in reversed(order):
         size, stride = val.shape[d], val.stride(d)
-        if _compat.known_true(size == 1):
+        if shapes.known_true(size == 1):
             continue
-        if not _compat.known_true(stride == expected):
+        if not shapes.known_true(stride == expected):
             return False
         expected = expected * size
     return True

@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from .. import _compat
+from .._compat import fake
 from .._compat.names import tensor_leaves, tree_leaves
 from ..config import GraphOptimizationConfig, tolerance
 from ..report import FallbackKind, GraphRecord, PassRecord, Report, first_line
@@ -157,8 +157,8 @@ class PassManager:
             gm.meta["graphopt_frozen_inputs"] = {
                 node.name: value for node, value, kind in zip(placeholders, inputs, kinds)
                 if kind in ("parameter", "buffer") and isinstance(value, torch.Tensor)
-                and not _compat.is_fake(value)}
-        real = matched and not any(isinstance(x, torch.Tensor) and _compat.is_fake(x) for x in inputs)
+                and not fake.is_fake(value)}
+        real = matched and not any(isinstance(x, torch.Tensor) and fake.is_fake(x) for x in inputs)
         precision.prepare(gm, config, report.fallback)
         verify_inputs = inputs if config.verify and real else None
         if config.verify and not real:
@@ -254,7 +254,7 @@ class _Run:
         if self.expected is not None:
             actual = _run_graph(self.gm, self.verify_inputs)
             if name not in precision.MEASURED_PASSES:  # held to precision_tolerance instead
-                with _compat.outside_fake_mode():
+                with fake.outside_fake_mode():
                     _check_same(name, self.expected, actual)
             self.expected = actual
         return result.changed
@@ -271,7 +271,7 @@ class _Run:
         elif result.changed:
             self.gm.recompile()
             actual = _run_graph(self.gm, inputs)
-            with _compat.outside_fake_mode():
+            with fake.outside_fake_mode():
                 error = precision.measured_error(self.gm, expected, actual, self.tolerance)
             if error["fell_back"]:
                 before.restore(self.gm)
@@ -356,7 +356,7 @@ def _attributes(gm: torch.fx.GraphModule) -> set[str]:
 def _run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> list[torch.Tensor]:
     """Outputs and final input states (a pass must keep mutations too), on clones
     of the inputs so the caller's buffers are untouched; random ops reseeded."""
-    with _compat.outside_fake_mode(), torch.random.fork_rng(devices=[]), torch.no_grad():
+    with fake.outside_fake_mode(), torch.random.fork_rng(devices=[]), torch.no_grad():
         args = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
         torch.manual_seed(0)
         out = gm(*args)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from .. import _compat
+from .._compat import shapes
 from .._compat.names import Argument, FunctionSchema, OpOverload, tree_leaves
 from ..arena import Plan, aligned, live_bytes, plan_offsets
 from ..report import MemoryRecord
@@ -141,13 +141,13 @@ def liveness(graph: torch.fx.Graph) -> list[Buffer]:
 
 def _nbytes(t: torch.Tensor) -> int:
     """Bytes of the memory a new tensor like `t` takes (its strides' extent)."""
-    sizes = [_compat.size_hint(s) for s in t.shape]
+    sizes = [shapes.size_hint(s) for s in t.shape]
     if t.layout != torch.strided:
         return t.element_size() * _prod(sizes)
     if 0 in sizes:
         return 0
-    strides = [_compat.size_hint(s) for s in t.stride()]
-    extent = 1 + _compat.size_hint(t.storage_offset()) + sum((n - 1) * s for n, s in zip(sizes, strides))
+    strides = [shapes.size_hint(s) for s in t.stride()]
+    extent = 1 + shapes.size_hint(t.storage_offset()) + sum((n - 1) * s for n, s in zip(sizes, strides))
     return t.element_size() * extent
 
 
@@ -164,7 +164,7 @@ def plan_graph(graph: torch.fx.Graph) -> GraphPlan:
     spans = [(b.first, b.last, b.nbytes) for b in buffers]
     values = [b.storage[0].meta.get("val") for b in buffers]
     symbols = [s for v in tree_leaves(values) if isinstance(v, torch.Tensor) for s in v.shape]
-    return GraphPlan(buffers, plan_offsets(spans), live_bytes(spans), _compat.symbol_hints(symbols))
+    return GraphPlan(buffers, plan_offsets(spans), live_bytes(spans), shapes.symbol_hints(symbols))
 
 
 def plan_memory(gm: torch.fx.GraphModule) -> PassResult:

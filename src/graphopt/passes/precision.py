@@ -21,8 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from .. import _compat
-from .._compat import mkldnn
+from .._compat import fake, mkldnn
 from ..config import GraphOptimizationConfig
 from ..report import FallbackKind
 from .base import PassResult, erase_dead, value_of
@@ -82,7 +81,7 @@ def lower_precision(gm: torch.fx.GraphModule) -> PassResult:
     as the bfloat16 value itself (the round trip is exact).
     """
     dtype = gm.meta.get(COMPUTE_DTYPE)
-    fake_mode = _compat.fake_mode_of(gm)
+    fake_mode = fake.fake_mode_of(gm)
     if dtype is None or fake_mode is None:
         return PassResult(changed=False)
     constants = constant_nodes(gm)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from .. import _compat
+from .._compat import fake
 from .base import PassResult, erase_dead, value_of
 from .constant_fold import constant_nodes, fold_node
 from .strides import fake_run
@@ -40,7 +40,7 @@ def quantize_weights(gm: torch.fx.GraphModule) -> PassResult:
     """
     if gm.meta.get(WEIGHT_QUANTIZATION) != "int8" or not hasattr(aten, "_weight_int8pack_mm"):
         return PassResult(changed=False)
-    fake_mode = _compat.fake_mode_of(gm)
+    fake_mode = fake.fake_mode_of(gm)
     constants = constant_nodes(gm)
     counts: dict[str, int] = {}
     for linear in list(gm.graph.nodes):

@@ -12,7 +12,7 @@ import operator
 import torch
 import torch.fx
 
-from .._compat import known_true, same_sizes
+from .._compat.shapes import known_true, same_sizes
 from .base import GraphFacts, PassResult, alias_root, is_contiguous, value_of
 
 aten, prims = torch.ops.aten, torch.ops.prims

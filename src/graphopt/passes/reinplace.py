@@ -28,9 +28,9 @@ import functools
 import torch
 import torch.fx
 
-from .. import _compat
-from .._compat import known_true, same_shape, same_sizes
+from .._compat import ops
 from .._compat.names import OpOverload
+from .._compat.shapes import known_true, same_shape, same_sizes
 from .base import PassResult, has_effect, is_collective, is_contiguous, is_view
 from .memory_plan import Storage, storages
 
@@ -54,10 +54,10 @@ def inplace_variant(target: object) -> OpOverload | None:
     packet = getattr(aten, target._schema.name.split("::")[1] + "_", None)
     overload = getattr(packet, target._overloadname, None) if packet is not None else None
     if overload is None:
-        return _compat.inplace_overload(target)
+        return ops.inplace_overload(target)
     args = overload._schema.arguments
     if not args or args[0].alias_info is None or not args[0].alias_info.is_write:
-        return _compat.inplace_overload(target)
+        return ops.inplace_overload(target)
     return overload
 
 

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from .._compat import known_true, same_sizes
 from .._compat.names import OpOverload, tree_leaves
+from .._compat.shapes import known_true, same_sizes
 from .base import STRIDE_READERS
 
 

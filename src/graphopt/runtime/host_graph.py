@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .. import _compat
+from .._compat import ops
 from .._compat.names import TorchDispatchMode, tensor_leaves
 from . import native_tape
 from .analysis.safety import CaptureGuard
@@ -187,7 +187,7 @@ class HostGraph:
         if self._modes is None:
             raise RuntimeError(f"HostGraph.{caller}(): no capture in progress; call capture_begin() first")
         recorder, guard = self._modes
-        if _compat.current_dispatch_mode() is not guard:
+        if ops.current_dispatch_mode() is not guard:
             raise RuntimeError(f"HostGraph.{caller}() must run in the thread that called capture_begin(), "
                                "after every dispatch mode entered since has exited")
         self._modes = None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import _compat
+from .._compat import distributed
 
 
 def ranks_captured(group_names: list[str], size: int, failed: bool) -> bool:
@@ -24,7 +24,7 @@ def ranks_captured(group_names: list[str], size: int, failed: bool) -> bool:
     failing; False when any rank failed. Raises when the ranks captured different sizes."""
     everywhere = True
     for name in group_names:
-        group = _compat.process_group_named(name)
+        group = distributed.process_group_named(name)
         device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
         flags = torch.tensor([int(failed), size, -size], dtype=torch.int64, device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)

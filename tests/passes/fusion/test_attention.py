@@ -12,8 +12,7 @@ from support import AtenGraph, aot_graph, decode_inputs, targets
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graphopt
-from graphopt import _compat
-from graphopt._compat import patterns
+from graphopt._compat import inductor, patterns
 from graphopt.config import tolerance
 from graphopt.models import Decoder, DecoderConfig
 from graphopt.models.decoder import repeat_kv
@@ -369,7 +368,7 @@ def test_decoder_end_to_end():
     assert all(g.fused_ops.get("scaled_dot_product_attention") == 2 for g in report.graphs)
 
 
-@pytest.mark.skipif(not _compat.inductor_available(), reason="level 2 needs a C++ compiler")
+@pytest.mark.skipif(not inductor.inductor_available(), reason="level 2 needs a C++ compiler")
 def test_level2_end_to_end():
     class Attention(torch.nn.Module):
         def forward(self, q, k, v, mask):
@@ -383,7 +382,7 @@ def test_level2_end_to_end():
     assert opt.report().graphs[0].fused_ops == {"scaled_dot_product_attention": 1}
 
 
-@pytest.mark.skipif(not _compat.inductor_available(), reason="level 2 needs a C++ compiler")
+@pytest.mark.skipif(not inductor.inductor_available(), reason="level 2 needs a C++ compiler")
 def test_level2_decoder_leaves_decode_attention_to_inductor():
     """The reference decoder's decode step at level 2 on the CPU: every layer's
     attention is gated, none becomes SDPA, and the steps match eager's."""

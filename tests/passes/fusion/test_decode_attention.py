@@ -11,6 +11,7 @@ from support import aot_graph, targets, unexpected_fallbacks
 
 import graphopt
 from graphopt import _compat
+from graphopt._compat import inductor
 from graphopt.config import tolerance
 from graphopt.models import Decoder, DecoderConfig
 from graphopt.models.decoder import repeat_kv
@@ -19,7 +20,7 @@ from graphopt.passes.fusion.decode_attention import fuse_decode_attention
 transformers = pytest.importorskip("transformers")
 
 OP = torch.ops.graphopt.decode_attention.default
-LEVEL_2 = pytest.mark.skipif(not _compat.inductor_available(), reason="level 2 needs a C++ compiler")
+LEVEL_2 = pytest.mark.skipif(not inductor.inductor_available(), reason="level 2 needs a C++ compiler")
 CONFIG = DecoderConfig.tiny()  # 2 layers, 4 heads over 2 kv heads, 128 positions, scratch slot 16
 # (batch, positions, slots) per step: length 1, lengths that differ per row, the full
 # cache, a padded batch (3 rows at capture size 4, the padded row on the scratch slot).

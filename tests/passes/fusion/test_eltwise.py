@@ -5,6 +5,7 @@ import torch
 from support import aot_graph, targets
 
 import graphopt
+from graphopt._compat import inductor
 from graphopt.config import tolerance
 from graphopt.passes.fusion import FUSED_TAG
 from graphopt.passes.fusion.eltwise import fuse_eltwise
@@ -88,7 +89,7 @@ def test_left_alone(fn, args):
 
 
 def test_level_2():
-    if not graphopt._compat.inductor_available():
+    if not inductor.inductor_available():
         pytest.skip("level 2 needs a C++ compiler")
 
     class Blend(torch.nn.Module):

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from support import aot_graph, decode_inputs, targets
 
 import graphopt
+from graphopt._compat import inductor
 from graphopt.config import tolerance
 from graphopt.models import DecoderConfig
 from graphopt.passes.cleanup import cse
@@ -282,7 +283,7 @@ def test_transformers_llama():
 
 
 def test_level_2_fuses_both_linear_fusions():
-    if not graphopt._compat.inductor_available():
+    if not inductor.inductor_available():
         pytest.skip("level 2 needs a C++ compiler")
     torch.manual_seed(0)
     model = Block().eval()

@@ -11,6 +11,7 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import graphopt
+from graphopt._compat import inductor
 from graphopt.config import tolerance
 from graphopt.kernels import layer_norm as layer_norm_kernel
 from graphopt.models import Decoder, DecoderConfig
@@ -217,7 +218,7 @@ def test_add_then_layer_norm_fuses_at_level_1_and_serves_every_batch_size(use_cu
 
 def test_add_then_layer_norm_stays_at_level_2():
     """Inductor makes one kernel of the add and the LayerNorm itself."""
-    if not graphopt._compat.inductor_available():
+    if not inductor.inductor_available():
         pytest.skip("level 2 needs a C++ compiler")
     torch.manual_seed(0)
     model, x = PostNormBlock().eval(), torch.randn(3, 5, H)
@@ -489,7 +490,7 @@ class LayerNormBlock(torch.nn.Module):
 
 
 def test_layer_norm_fuses_at_level_2():
-    if not graphopt._compat.inductor_available():
+    if not inductor.inductor_available():
         pytest.skip("level 2 needs a C++ compiler")
     torch.manual_seed(0)
     model, x = LayerNormBlock().eval(), torch.randn(3, 5, H)

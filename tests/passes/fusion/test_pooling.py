@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from support import aot_graph, targets
 
 import graphopt
+from graphopt._compat import inductor
 from graphopt.config import tolerance
 from graphopt.passes.fusion import FUSED_TAG
 from graphopt.passes.fusion.pooling import fuse_pooling
@@ -117,7 +118,7 @@ def test_small_cnn_end_to_end():
 
 
 def test_level_2():
-    if not graphopt._compat.inductor_available():
+    if not inductor.inductor_available():
         pytest.skip("level 2 needs a C++ compiler")
 
     class Pool(torch.nn.Module):

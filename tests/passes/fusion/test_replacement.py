@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graphopt
 from graphopt import FallbackKind
+from graphopt._compat import inductor
 from graphopt.passes.fusion.replacement import USER_PATTERNS
 
 EPS = 1e-6
@@ -136,7 +137,7 @@ def test_extra_check_sees_shapes_and_can_veto(registered):
 
 
 def test_applies_at_level_2(registered):
-    if not graphopt._compat.inductor_available():
+    if not inductor.inductor_available():
         pytest.skip("level 2 needs a C++ compiler")
     registered(search_fn, replace_fn, fake_examples())
     record = next(p for p in run_block(level=2).report().passes if p.name == "user_replacements")

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from ... import _compat
+from ..._compat import fake, shapes
 from ..base import PassResult, value_of
 from ..fusion.attention import score_stages
 from ..fusion.softmax import softmax_input
@@ -55,7 +55,7 @@ def canonicalize_attention(gm: torch.fx.GraphModule) -> PassResult:
     not read per [b, heads] row, casts around the softmax, and intermediates read
     elsewhere (attention weights returned).
     """
-    mode = _compat.fake_mode_of(gm) or contextlib.nullcontext()
+    mode = fake.fake_mode_of(gm) or contextlib.nullcontext()
     rewritten = 0
     for node in list(gm.graph.nodes):
         site = _site(gm, node) if node.op == "call_function" else None
@@ -138,8 +138,8 @@ def _batch_chain(node: torch.fx.Node) -> tuple[torch.fx.Node, int, bool, list]:
         if val is None or src is None or src.dim() < 3:
             break
         seen.append((node, swaps, grows))
-        if node.target in _BATCH_LAYOUT and _compat.same_sizes(val.shape[-2:], src.shape[-2:]):
-            grows = grows or node.target is aten.expand.default and not _compat.same_sizes(val.shape, src.shape)
+        if node.target in _BATCH_LAYOUT and shapes.same_sizes(val.shape[-2:], src.shape[-2:]):
+            grows = grows or node.target is aten.expand.default and not shapes.same_sizes(val.shape, src.shape)
         elif _swaps_last_two(node):
             swaps += 1
         else:
@@ -222,7 +222,7 @@ def _repeated_heads_last(node: torch.fx.Node) -> tuple | None:
         return None
     x, sizes = expand.args[0].args[0], value_of(expand).shape
     if value_of(x) is None or value_of(x).dim() != 4 or not isinstance(sizes[3], int) \
-            or not _compat.same_sizes(value_of(node).shape, [*sizes[:2], sizes[2] * sizes[3], sizes[4]]):
+            or not shapes.same_sizes(value_of(node).shape, [*sizes[:2], sizes[2] * sizes[3], sizes[4]]):
         return None
     return x, False, sizes[3]
 
@@ -258,7 +258,7 @@ def _shapes_agree(site: _Site, group: int, bmm: torch.fx.Node) -> bool:
     static = [heads, k[1], *out.shape[1:-2]]  # the heads: the rewrite splits and permutes them
     if not all(isinstance(s, int) for s in static) or k[1] * group != heads:
         return False
-    if not (_compat.same_sizes([k[0], v[0], k[3], k[2]], [b, b, d, v[2]])
-            and _compat.same_sizes([value_of(bmm).shape[0]], [out.numel() // (t * v[3])])):
+    if not (shapes.same_sizes([k[0], v[0], k[3], k[2]], [b, b, d, v[2]])
+            and shapes.same_sizes([value_of(bmm).shape[0]], [out.numel() // (t * v[3])])):
         return False
-    return _compat.known_true(out.numel() == b * heads * t * v[3])
+    return shapes.known_true(out.numel() == b * heads * t * v[3])

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from ... import _compat
+from ..._compat import shapes
 from ..base import value_of
 from ..strides import fake_run, same_strides
 
@@ -141,11 +141,11 @@ class Emitter:
         rank, val = value_of(self.site.out).dim(), value_of(node)
         if val is None:
             return False
-        if val.dim() <= 2 or val.dim() == 3 and _compat.known_true(val.shape[0] == 1):
+        if val.dim() <= 2 or val.dim() == 3 and shapes.known_true(val.shape[0] == 1):
             return node, kind, fill  # the same for every head
         if rank == 5:
             ok = val.dim() == 5 and node.target is aten.unsqueeze.default and node.args[1] % 5 in (1, 2) \
-                and _compat.known_true(value_of(node.args[0]).shape[1] == 1)
+                and shapes.known_true(value_of(node.args[0]).shape[1] == 1)
             return (node.args[0], kind, fill) if ok else False
         if rank == 3:
             node = _flattened(node, self.heads)
@@ -153,7 +153,7 @@ class Emitter:
                 return False
         if value_of(node).dim() != 4:
             return False
-        if _compat.known_true(value_of(node).shape[1] == 1):
+        if shapes.known_true(value_of(node).shape[1] == 1):
             return node, kind, fill
         return (self._permuted(node, self.s) if self.site.tiled else node), kind, fill
 
@@ -164,18 +164,18 @@ def _flattened(node: torch.fx.Node, heads: int) -> torch.fx.Node | None:
     rows = value_of(node).shape[-2:]
     while node.target in (*_VIEWS, aten.clone.default) and isinstance(node.args[0], torch.fx.Node):
         val = value_of(node)
-        if val is not None and val.dim() == 4 and _compat.known_true(val.shape[1] == heads) \
-                and _compat.same_sizes(val.shape[-2:], rows):
+        if val is not None and val.dim() == 4 and shapes.known_true(val.shape[1] == heads) \
+                and shapes.same_sizes(val.shape[-2:], rows):
             break
         node = node.args[0]
     while node.target is aten.clone.default and isinstance(node.args[0], torch.fx.Node):
         node = node.args[0]  # a copy of the same values
     val = value_of(node)
-    if val is None or val.dim() != 4 or not _compat.known_true(val.shape[1] == heads) \
-            or not _compat.same_sizes(val.shape[-2:], rows):
+    if val is None or val.dim() != 4 or not shapes.known_true(val.shape[1] == heads) \
+            or not shapes.same_sizes(val.shape[-2:], rows):
         return None
     source = node.args[0] if node.target is aten.expand.default else None
     if source is not None and value_of(source) is not None and value_of(source).dim() == 4 \
-            and _compat.known_true(value_of(source).shape[1] == 1):
+            and shapes.known_true(value_of(source).shape[1] == 1):
         return source
     return node

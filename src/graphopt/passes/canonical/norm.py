@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from ... import _compat
+from ..._compat import fake
 from ..base import PassResult, value_of
 from ..fusion.attention import number
 from ..strides import fake_run
@@ -33,7 +33,7 @@ def canonicalize_norms(gm: torch.fx.GraphModule) -> PassResult:
     (rounding aside). The second only where `ms` is such a mean (the sum being an
     RMSNorm's), so no other `x / sqrt(y)` changes its rounding.
     """
-    mode = _compat.fake_mode_of(gm) or contextlib.nullcontext()
+    mode = fake.fake_mode_of(gm) or contextlib.nullcontext()
     means = rsqrts = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function":

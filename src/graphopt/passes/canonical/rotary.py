@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from ... import _compat
+from ..._compat import fake, shapes
 from ..base import PassResult, value_of
 from ..strides import fake_run, same_strides
 
@@ -49,7 +49,7 @@ def canonicalize_rotary(gm: torch.fx.GraphModule) -> PassResult:
     rewritten sum has the original's dtype and strides (views after it rely on
     them); sites already in a fused form are left as they are.
     """
-    mode = _compat.fake_mode_of(gm) or contextlib.nullcontext()
+    mode = fake.fake_mode_of(gm) or contextlib.nullcontext()
     level = gm.meta.get("graphopt_level", 1)
     tables: dict[torch.fx.Node, tuple] = {}  # freqs_cis -> its (cos, sin, nodes made), shared by q and k
     sums = products = 0
@@ -116,7 +116,7 @@ def _rotation(node: torch.fx.Node) -> tuple | None:
     # cat joins along x's last dim; stack makes a new dim after it, which the view flattens back.
     if not isinstance(dim, int) or dim % (rank + pairs) != rank - 1 + pairs:
         return None
-    if pairs and (value_of(node) is None or not _compat.same_sizes(value_of(node).shape, value_of(x).shape)):
+    if pairs and (value_of(node) is None or not shapes.same_sizes(value_of(node).shape, value_of(x).shape)):
         return None
     return x, pairs, parts[0][2] and parts[1][2]
 
@@ -244,7 +244,7 @@ class _Writer:
         for order in ((plain, rotated), (rotated, plain)):
             total = self.call(aten.add.Tensor, *order)
             if total is not None and self.node.target in _VIEWS \
-                    and not _compat.same_shape(value_of(total), value_of(self.node)):
+                    and not shapes.same_shape(value_of(total), value_of(self.node)):
                 total = self.call(self.node.target, total, self.node.args[1])
             if total is not None and _same(value_of(total), value_of(self.node)):
                 self.node.replace_all_uses_with(total)
@@ -267,4 +267,4 @@ class _Writer:
 
 def _same(a: Any, b: Any) -> bool:
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype \
-        and _compat.same_shape(a, b) and same_strides(a, b)
+        and shapes.same_shape(a, b) and same_strides(a, b)

@@ -16,7 +16,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from ... import _compat
+from ..._compat import shapes
 from ...kernels import activation as _kernels  # noqa: F401 - defines graphopt::silu_and_mul
 from ..base import PassResult, value_of
 from .replacement import Pattern, PatternSet, fwd_only
@@ -69,7 +69,7 @@ def _gelu_fits(match) -> bool:
 def _gate_fits(match) -> bool:
     gate, up = value_of(match.kwargs.get("gate")), value_of(match.kwargs.get("up"))
     return (gate is not None and up is not None and gate.dtype.is_floating_point
-            and gate.dtype == up.dtype and gate.device == up.device and _compat.same_shape(gate, up))
+            and gate.dtype == up.dtype and gate.device == up.device and shapes.same_shape(gate, up))
 
 
 def _slope_fits(match) -> bool:
@@ -78,7 +78,7 @@ def _slope_fits(match) -> bool:
     if x is None or a is None or not x.dtype.is_floating_point or a.dtype != x.dtype \
             or a.device != x.device or a.dim() > x.dim():
         return False
-    return all(_compat.known_true(s == 1) or _compat.known_true(s == t)
+    return all(shapes.known_true(s == 1) or shapes.known_true(s == t)
                for s, t in zip(reversed(a.shape), reversed(x.shape)))
 
 
@@ -159,8 +159,8 @@ def _level_1_trace(fn, args, **kwargs) -> torch.fx.GraphModule:
     return fwd_only(fn, args, **kwargs)
 
 
-def _examples(*shapes):
-    return [torch.empty(shape) for shape in shapes]
+def _examples(*sizes):
+    return [torch.empty(size) for size in sizes]
 
 
 for _search in (_silu_mul, _mul_silu, _sigmoid_mul, _exp_div):

@@ -11,8 +11,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from ... import _compat
-from ..._compat import patterns
+from ..._compat import fake, patterns, shapes
 from ..base import PassResult, value_of
 from ..strides import restrided, same_strides, set_values
 from . import FUSED_ATEN_OPS, gates
@@ -62,7 +61,7 @@ def fuse_attention(gm: torch.fx.GraphModule) -> PassResult:
     """
     level = gm.meta.get("graphopt_level", 1)
     decompositions = patterns.inductor_decompositions() if level == 2 else {}
-    mode = _compat.fake_mode_of(gm) or contextlib.nullcontext()  # SDPA is traced on the graph's values
+    mode = fake.fake_mode_of(gm) or contextlib.nullcontext()  # SDPA is traced on the graph's values
     fused = gated = 0
     for node in list(gm.graph.nodes):  # replaced nodes stay (dead) until the end
         found = match(gm, node) if node.op == "call_function" else None
@@ -184,15 +183,15 @@ def number(gm: torch.fx.GraphModule, arg: Any) -> float | None:
     if arg.target is aten.full.default and list(arg.args[0]) == []:
         return number(gm, arg.args[1])
     value = getattr(gm, arg.target, None) if arg.op == "get_attr" else None
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not _compat.is_fake(value):
-        with _compat.outside_fake_mode():  # passes may run inside the graph's fake mode
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not fake.is_fake(value):
+        with fake.outside_fake_mode():  # passes may run inside the graph's fake mode
             return float(value.item())
     return None
 
 
 def same_shape(a: Any, b: Any) -> bool:
     va, vb = value_of(a), value_of(b)
-    return va is not None and vb is not None and _compat.same_shape(va, vb)
+    return va is not None and vb is not None and shapes.same_shape(va, vb)
 
 
 def _matmul(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, set] | None:
@@ -209,7 +208,7 @@ def _matmul(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, set] | N
     bmm = node.args[0] if node.target in _RESHAPES else node
     if not isinstance(bmm, torch.fx.Node) or bmm.target is not aten.bmm.default or value_of(bmm) is None \
             or value_of(bmm.args[0]) is None or (bmm is not node and len(bmm.users) != 1) \
-            or (bmm is node and out.dim() != 3) or not _compat.same_sizes(value_of(bmm).shape[1:], out.shape[-2:]):
+            or (bmm is node and out.dim() != 3) or not shapes.same_sizes(value_of(bmm).shape[1:], out.shape[-2:]):
         return None
     batch, (rows, cols), inner = tuple(out.shape[:-2]), out.shape[-2:], value_of(bmm.args[0]).shape[-1]
     a, b = _logical(bmm.args[0], batch + (rows, inner)), _logical(bmm.args[1], batch + (inner, cols))
@@ -222,7 +221,7 @@ def _logical(operand: torch.fx.Node, shape: tuple) -> torch.fx.Node | None:
     it), so that value read in row-major order is the operand."""
     found, node = None, operand
     while isinstance(node, torch.fx.Node):
-        if value_of(node) is not None and _compat.same_sizes(value_of(node).shape, shape):
+        if value_of(node) is not None and shapes.same_sizes(value_of(node).shape, shape):
             found = node
         if node.target not in _LAYOUT:
             break
@@ -284,8 +283,8 @@ def repeated(node: torch.fx.Node) -> tuple[torch.fx.Node, int] | None:
             or value_of(node) is None:
         return None
     b, h, s, d = value_of(x).shape
-    if not (_compat.same_sizes(sizes, (b, h, sizes[2], s, d))
-            and _compat.same_sizes(value_of(node).shape, (b, h * sizes[2], s, d))):
+    if not (shapes.same_sizes(sizes, (b, h, sizes[2], s, d))
+            and shapes.same_sizes(value_of(node).shape, (b, h * sizes[2], s, d))):
         return None
     return x, sizes[2]
 

@@ -17,8 +17,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from ... import _compat
-from ..._compat import mkldnn
+from ..._compat import fake, mkldnn, shapes
 from ..base import GraphFacts, PassResult, alias_root, erase_dead, value_of
 from ..constant_fold import FOLDED_RECIPES, FROZEN_INPUTS, fold_node
 from ..strides import fake_run, restrided, set_values
@@ -52,7 +51,7 @@ def fuse_conv(gm: torch.fx.GraphModule) -> PassResult:
     rounding of the weights, within float32's tolerance.
     """
     frozen = gm.meta.get(FROZEN_INPUTS)
-    fake_mode = _compat.fake_mode_of(gm)
+    fake_mode = fake.fake_mode_of(gm)
     if not frozen or fake_mode is None or not mkldnn.available():
         return PassResult(changed=False)
     facts = GraphFacts(gm.graph)
@@ -154,7 +153,7 @@ def _fuse_pointwise(gm: torch.fx.GraphModule, conv: torch.fx.Node, facts: GraphF
         if user.target is aten.add.Tensor and not user.kwargs and len(operands) == 2 and operands.count(last) == 1:
             candidate = operands[1 - operands.index(last)]
             val = value_of(candidate)
-            if val is not None and val.dtype == value_of(last).dtype and _compat.same_shape(val, value_of(last)) \
+            if val is not None and val.dtype == value_of(last).dtype and shapes.same_shape(val, value_of(last)) \
                     and alias_root(candidate) not in facts.written:
                 last, other = user, candidate
     if len(last.users) == 1 and next(iter(last.users)).target in _UNARY:
@@ -187,7 +186,7 @@ def _fuse_pointwise(gm: torch.fx.GraphModule, conv: torch.fx.Node, facts: GraphF
 def _packed_weight(gm: torch.fx.GraphModule, conv: torch.fx.Node) -> torch.fx.Node:
     """The convolution's weight packed for its input size (`packed_weight`)."""
     x, w, _b, stride, padding, dilation, _t, _o, groups = conv.args
-    size = [_compat.size_hint(s) for s in value_of(x).shape]
+    size = [shapes.size_hint(s) for s in value_of(x).shape]
     return packed_weight(gm, w, mkldnn.pack_conv_weight, (padding, stride, dilation, groups, size))
 
 
@@ -201,7 +200,7 @@ def packed_weight(gm: torch.fx.GraphModule, w: torch.fx.Node, pack: Any, args: t
     dense = gm.meta[FROZEN_INPUTS][w.name] if w.op == "placeholder" else getattr(gm, w.target)
     # Not an inference tensor (a compile inside the caller's inference_mode, as refresh()
     # compiling a level-2 graph again is): refresh() updates it in place outside that mode.
-    with _compat.outside_fake_mode(), torch.inference_mode(False), torch.no_grad():
+    with fake.outside_fake_mode(), torch.inference_mode(False), torch.no_grad():
         value = recipe(dense) if w.op == "placeholder" else recipe()
     name = next(f"_packed_{i}" for i in itertools.count() if not hasattr(gm, f"_packed_{i}"))
     gm.register_buffer(name, value, persistent=False)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from ... import _compat
+from ..._compat import fake, shapes
 from ...kernels import decode_attention as kernel
 from ..base import PassResult, value_of
 from ..strides import fake_run, restrided, same_strides, set_values
@@ -63,7 +63,7 @@ def fuse_decode_attention(gm: torch.fx.GraphModule) -> PassResult:
     `gated`: queries longer than one token, and the CPU without the C++ kernel
     (`gates.decode_attention_loses`).
     """
-    mode = _compat.fake_mode_of(gm) or contextlib.nullcontext()
+    mode = fake.fake_mode_of(gm) or contextlib.nullcontext()
     made: dict[tuple, torch.fx.Node] = {}  # positions built once per mask, shared by the layers
     fused = gated = 0
     for node in list(gm.graph.nodes):  # replaced nodes stay (dead) until the end
@@ -136,9 +136,9 @@ def _plan(gm: torch.fx.GraphModule, found: Found) -> _Plan | None:
     kv, vv = value_of(k), value_of(v)
     if q is None or kv is None or vv is None or out is None or q.dim() != 4 or kv.dim() != 4 \
             or not (q.dtype == kv.dtype == vv.dtype == out.dtype and q.dtype.is_floating_point) \
-            or q.device != kv.device or not _compat.same_shape(kv, vv) or not _compat.same_shape(q, out) \
-            or not _compat.known_true(q.shape[1] % kv.shape[1] == 0) \
-            or not _compat.same_sizes([q.shape[0], q.shape[3]], [kv.shape[0], kv.shape[3]]):
+            or q.device != kv.device or not shapes.same_shape(kv, vv) or not shapes.same_shape(q, out) \
+            or not shapes.known_true(q.shape[1] % kv.shape[1] == 0) \
+            or not shapes.same_sizes([q.shape[0], q.shape[3]], [kv.shape[0], kv.shape[3]]):
         return None
     positions = _positions(gm, found, kv.shape[2], q)
     allowed = _keep(gm, found, kv.shape[2], q) if positions is None else None
@@ -175,7 +175,7 @@ def _positions(gm: torch.fx.GraphModule, found: Found, keys: Any, q: torch.Tenso
         allowed = _allowed(gm, found.mask)
         allowed = allowed and (allowed[0], allowed[1], allowed[2] == (found.mask_kind == "keep"))
     mask = value_of(found.mask)
-    if not allowed or not allowed[2] or mask is None or not _compat.same_sizes([mask.shape[-1]], [keys]):
+    if not allowed or not allowed[2] or mask is None or not shapes.same_sizes([mask.shape[-1]], [keys]):
         return None
     position, dims = allowed[0], allowed[1]
     shape = list(value_of(position).shape)  # the positions, unsqueezed as the mask was
@@ -183,8 +183,8 @@ def _positions(gm: torch.fx.GraphModule, found: Found, keys: Any, q: torch.Tenso
         shape.insert(d, 1)
     rank = len(shape)
     padded = [1] * (4 - rank) + shape  # aligned with the scores [b, h, t, s]
-    if rank > 4 or not all(_compat.known_true(padded[i] == 1) or _compat.same_sizes([padded[i]], [q.shape[i]])
-                           for i in (0, 2)) or not _compat.known_true(padded[1] == 1):
+    if rank > 4 or not all(shapes.known_true(padded[i] == 1) or shapes.same_sizes([padded[i]], [q.shape[i]])
+                           for i in (0, 2)) or not shapes.known_true(padded[1] == 1):
         return None
     return position, tuple(dims), rank
 
@@ -210,11 +210,11 @@ def _keep(gm: torch.fx.GraphModule, found: Found, keys: Any, q: torch.Tensor) ->
     shape = list(val.shape)
     for d in dims:
         shape.insert(d, 1)
-    if len(shape) > 4 or not _compat.same_sizes([shape[-1]], [keys]):
+    if len(shape) > 4 or not shapes.same_sizes([shape[-1]], [keys]):
         return None
     padded = [1] * (4 - len(shape)) + shape
-    if not (_compat.known_true(padded[1] == 1) and all(
-            _compat.known_true(padded[i] == 1) or _compat.same_sizes([padded[i]], [q.shape[i]]) for i in (0, 2))):
+    if not (shapes.known_true(padded[1] == 1) and all(
+            shapes.known_true(padded[i] == 1) or shapes.same_sizes([padded[i]], [q.shape[i]]) for i in (0, 2))):
         return None
     return keep[0], tuple(dims), len(shape), keep[1]
 
@@ -224,7 +224,7 @@ def _whole(node: Any) -> torch.fx.Node | None:
     `mask[:, :, :, :keys]` of a mask that has exactly that many)."""
     while isinstance(node, torch.fx.Node) and node.target is aten.slice.Tensor \
             and isinstance(node.args[0], torch.fx.Node) and value_of(node) is not None \
-            and value_of(node.args[0]) is not None and _compat.same_shape(value_of(node), value_of(node.args[0])):
+            and value_of(node.args[0]) is not None and shapes.same_shape(value_of(node), value_of(node.args[0])):
         node = node.args[0]
     return node if isinstance(node, torch.fx.Node) else None
 
@@ -270,7 +270,7 @@ def _allowed(gm: torch.fx.GraphModule, node: Any):
         val, out = value_of(position), value_of(node)
         if isinstance(position, torch.fx.Node) and val is not None and out is not None and val.dim() == out.dim() \
                 and not val.dtype.is_floating_point and val.dtype != torch.bool \
-                and _compat.known_true(val.shape[-1] == 1) and _key_index(gm, key, out.shape[-1]):
+                and shapes.known_true(val.shape[-1] == 1) and _key_index(gm, key, out.shape[-1]):
             return position, [], polarity
     return None
 
@@ -285,7 +285,7 @@ def _viewed(gm: torch.fx.GraphModule, node: torch.fx.Node, inner):
         dim = node.args[1] % val.dim()
         found = inner(gm, source) if dim != val.dim() - 1 else None
         return found and (found[0], found[1] + [dim], found[2])
-    if val.dim() == value_of(source).dim() and _compat.same_sizes([val.shape[-1]], [value_of(source).shape[-1]]):
+    if val.dim() == value_of(source).dim() and shapes.same_sizes([val.shape[-1]], [value_of(source).shape[-1]]):
         return inner(gm, source)
     return None
 
@@ -293,23 +293,23 @@ def _viewed(gm: torch.fx.GraphModule, node: torch.fx.Node, inner):
 def _key_index(gm: torch.fx.GraphModule, node: Any, keys: Any) -> bool:
     """`node` is 0, 1, .., keys - 1 along the last dim, 1 along every other."""
     val = value_of(node)
-    if val is None or val.dtype.is_floating_point or not all(_compat.known_true(s == 1) for s in val.shape[:-1]):
+    if val is None or val.dtype.is_floating_point or not all(shapes.known_true(s == 1) for s in val.shape[:-1]):
         return False
     while node.target in (aten.unsqueeze.default, aten.view.default, aten.reshape.default) \
             or node.target is aten.add.Tensor and number(gm, node.args[1]) == 0.0:
         node = node.args[0]
     if node.op == "get_attr":
         constant = getattr(gm, node.target, None)  # a folded arange
-        if not (isinstance(constant, torch.Tensor) and not _compat.is_fake(constant) and constant.dim() == 1
+        if not (isinstance(constant, torch.Tensor) and not fake.is_fake(constant) and constant.dim() == 1
                 and isinstance(keys, int)):
             return False
-        with _compat.outside_fake_mode():
+        with fake.outside_fake_mode():
             return torch.equal(constant, torch.arange(keys, dtype=constant.dtype, device=constant.device))
     if node.target in _ARANGES:
         start, end, step = ([0, *node.args, 1] if node.target is aten.arange.default else [*node.args, 1])[:3]
-        return start == 0 and step == 1 and _compat.same_sizes([end], [keys])
+        return start == 0 and step == 1 and shapes.same_sizes([end], [keys])
     if node.target is prims.iota.default:
-        return node.kwargs.get("start") == 0 and node.kwargs.get("step") == 1 and _compat.same_sizes(
+        return node.kwargs.get("start") == 0 and node.kwargs.get("step") == 1 and shapes.same_sizes(
             [node.args[0]], [keys])
     return False
 
@@ -321,8 +321,8 @@ def _zeros(gm: torch.fx.GraphModule, node: Any) -> bool:
     if isinstance(node, torch.fx.Node) and node.target is aten.full.default:
         return number(gm, node.args[1]) == 0.0
     constant = getattr(gm, node.target, None) if isinstance(node, torch.fx.Node) and node.op == "get_attr" else None
-    if isinstance(constant, torch.Tensor) and not _compat.is_fake(constant):
-        with _compat.outside_fake_mode():
+    if isinstance(constant, torch.Tensor) and not fake.is_fake(constant):
+        with fake.outside_fake_mode():
             return not constant.any()
     return number(gm, node) == 0.0
 

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from ... import _compat
-from ..._compat import same_sizes
+from ..._compat import fake
+from ..._compat.shapes import same_sizes
 from ..base import GraphFacts, PassResult, alias_root, erase_dead
 from ..constant_fold import FROZEN_INPUTS, fold_node
 from ..strides import restrided, set_values
@@ -44,7 +44,7 @@ def fuse_horizontal_linear(gm: torch.fx.GraphModule) -> PassResult:
     returns contiguous tensors) leaves the group alone.
     """
     frozen = gm.meta.get(FROZEN_INPUTS)
-    fake_mode = _compat.fake_mode_of(gm)
+    fake_mode = fake.fake_mode_of(gm)
     if not frozen or fake_mode is None:
         return PassResult(changed=False)
     facts = GraphFacts(gm.graph)

@@ -8,8 +8,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.fx
 
-from ... import _compat
-from ..._compat import known_true, same_sizes
+from ..._compat import fake
+from ..._compat.shapes import known_true, same_sizes
 from ..base import GraphFacts, PassResult, alias_root, value_of
 from ..strides import fake_run, restrided, set_values
 
@@ -124,7 +124,7 @@ def fuse_matmul_transpose(gm: torch.fx.GraphModule) -> PassResult:
     Reading the view is faster than the copy at every shape measured, most where
     the copy is large (docs/fusion.md, "A copied transpose before a matmul").
     """
-    fake_mode = _compat.fake_mode_of(gm)
+    fake_mode = fake.fake_mode_of(gm)
     if fake_mode is None:  # strides cannot be checked
         return PassResult(changed=False)
     facts = GraphFacts(gm.graph)

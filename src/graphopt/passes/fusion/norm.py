@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from ... import _compat
+from ..._compat import shapes
 from ...kernels import layer_norm as _layer_norm_kernels  # noqa: F401 - defines graphopt::add_layer_norm & co.
 from ...kernels import norm as kernels  # defines graphopt::rms_norm & co. before patterns are traced
 from ..base import PassResult, value_of
@@ -108,11 +108,11 @@ def _valid(match: Any, *, params: tuple[str, ...] = (), same_dtype: bool = False
         return False
     if "residual" in kwargs:
         residual = value_of(kwargs["residual"])
-        if residual is None or residual.dtype != x.dtype or not _compat.same_shape(residual, x):
+        if residual is None or residual.dtype != x.dtype or not shapes.same_shape(residual, x):
             return False
     for name in params:
         param = value_of(kwargs.get(name))
-        if param is None or not _compat.same_sizes(param.shape, (x.shape[-1],)):
+        if param is None or not shapes.same_sizes(param.shape, (x.shape[-1],)):
             return False
         if same_dtype and param.dtype != x.dtype:
             return False

@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ... import _compat
-from ..._compat import mkldnn
+from ..._compat import mkldnn, shapes
 from ..base import GraphFacts, PassResult, erase_dead, value_of
 from ..constant_fold import FROZEN_INPUTS
 from . import FUSED_TAG, gates
@@ -68,7 +67,7 @@ def _fuse(gm: torch.fx.GraphModule, linear: torch.fx.Node, facts: GraphFacts) ->
             and all(isinstance(s, int) for s in wv.shape) and frozen_constant(gm, w, facts)
             and (b is None or frozen_constant(gm, b, facts))):
         return ""
-    rows = max(int(_compat.size_hint(xv.numel() // xv.shape[-1])), 1) if xv.dim() and xv.shape[-1] else 1
+    rows = max(int(shapes.size_hint(xv.numel() // xv.shape[-1])), 1) if xv.dim() and xv.shape[-1] else 1
     if gates.packed_linear_loses(rows, *reversed(wv.shape)):
         return "gated"
     last, unary, algorithm = linear, "none", ""

@@ -15,7 +15,7 @@ import math
 import torch
 import torch.fx
 
-from ..._compat import known_true
+from ..._compat.shapes import known_true
 from ..base import GraphFacts, PassResult, value_of
 from . import FUSED_TAG
 

@@ -22,8 +22,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx
 
-from ... import _compat, cache_trust
-from ..._compat import patterns
+from ... import cache_trust
+from ..._compat import fake, patterns
 from ..._compat.names import tree_flatten
 from ...cache import CompileCache, cache_key
 from ...config import tolerance
@@ -295,10 +295,10 @@ def _random_like(x: Any, generator: torch.Generator) -> Any:
     """A real tensor like `x` (which may be fake) with random values when floating."""
     if not isinstance(x, torch.Tensor):
         return x
-    with _compat.outside_fake_mode():
+    with fake.outside_fake_mode():
         if x.dtype.is_floating_point:
             return torch.randn(tuple(x.shape), generator=generator).to(dtype=x.dtype, device=x.device)
-        if _compat.is_fake(x):
+        if fake.is_fake(x):
             return torch.zeros(tuple(x.shape), dtype=x.dtype, device=x.device)
     return x
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ... import _compat
+from ..._compat import shapes
 from ...kernels import rotary as _kernels
 from ..base import PassResult, value_of
 from .replacement import Pattern, PatternSet
@@ -84,9 +84,9 @@ def _fits(match) -> bool:
     last = x.shape[-1]
     if not (isinstance(last, int) and last % 2 == 0 and cos.dim() <= x.dim() and sin.dim() <= x.dim()):
         return False
-    if not all(_compat.known_true(t.shape[-1] == last) for t in (cos, sin)):
+    if not all(shapes.known_true(t.shape[-1] == last) for t in (cos, sin)):
         return False
-    if not all(_compat.known_true(s == 1) or _compat.known_true(s == n)
+    if not all(shapes.known_true(s == 1) or shapes.known_true(s == n)
                for t in (cos, sin) for s, n in zip(reversed(t.shape), reversed(x.shape))):
         return False
     return _same_layout(match, x, cos, sin)
@@ -99,8 +99,8 @@ def _same_layout(match, x, cos, sin) -> bool:
     if not isinstance(summed, torch.Tensor):
         return False
     fused = _kernels.apply_rotary(x, cos, sin)  # on the match's fake values: only their layout is computed
-    return fused.dtype == summed.dtype and _compat.same_shape(fused, summed) and all(
-        _compat.known_true(size == 1) or _compat.known_true(a == b)
+    return fused.dtype == summed.dtype and shapes.same_shape(fused, summed) and all(
+        shapes.known_true(size == 1) or shapes.known_true(a == b)
         for size, a, b in zip(summed.shape, fused.stride(), summed.stride()))
 
 

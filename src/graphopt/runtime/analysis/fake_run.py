@@ -25,7 +25,7 @@ import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ... import _compat
+from ..._compat import fake, ops
 from ..._compat.names import TorchDispatchMode
 from .rows import BatchRows, Mixes
 from .safety import problem_of
@@ -40,13 +40,13 @@ class GraphFindings:
 
 def fake_run(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], splitting_ops: Iterable[str],
              batches: Iterable[tuple] = (), rowwise_ops: Iterable[str] = ()) -> GraphFindings:
-    fake_mode, fakes = _compat.backend_fakes(example_inputs)
+    fake_mode, fakes = fake.backend_fakes(example_inputs)
     if fake_mode is None:
         raise RuntimeError("graphopt's runtime needs the fake mode Dynamo compiles in; "
                            "call the Backend from torch.compile")
     rows = [BatchRows(symbols, fakes, set(rowwise_ops)) for symbols in batches]
     watcher = _OpWatcher(set(splitting_ops), fakes, rows)
-    with _compat.fake_tracing(fake_mode), watcher:
+    with fake.fake_tracing(fake_mode), watcher:
         outputs = _NodeInterpreter(gm, watcher).run(*fakes)
     for state in rows:
         if state.why is None:
@@ -67,7 +67,7 @@ class _OpWatcher(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for value in _compat.written_arguments(func, args, kwargs):
+        for value in ops.written_arguments(func, args, kwargs):
             if isinstance(value, torch.Tensor):
                 storage = StorageWeakRef(value.untyped_storage())
                 self.written = [w or (s is not None and storage == s) for w, s in zip(self.written, self.storages)]

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
-from ... import _compat
+from ..._compat import fake
 
 
 def split(gm: torch.fx.GraphModule, nodes: dict[torch.fx.Node, str]) -> tuple[torch.fx.GraphModule, dict[str, str]]:
@@ -72,7 +72,7 @@ def pieces_on_fakes(split_gm: torch.fx.GraphModule,
             calls.append((target, piece, list(args)))
             return piece(*args, **kwargs)
 
-    fake_mode, fakes = _compat.backend_fakes(example_inputs)
-    with _compat.fake_tracing(fake_mode):
+    fake_mode, fakes = fake.backend_fakes(example_inputs)
+    with fake.fake_tracing(fake_mode):
         _Recorder(split_gm).run(*fakes)
         yield from calls

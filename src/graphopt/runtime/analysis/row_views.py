@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import sympy
 
-from ... import _compat
+from ..._compat import shapes
 from .row_rules import Call, Mixes, Rows, is_int, rule, whole
 
 
@@ -102,7 +102,7 @@ def slice_(call: Call) -> list:
         return [rows] if rows is not None else call.follow()
     start, end, step = call.named.get("start"), call.named.get("end"), call.named.get("step", 1)
     # `x[:]` and `x[:, None]` slice to sys.maxsize, which symbolic reasoning does not compare with s.
-    reaches_end = end is None or isinstance(end, int) and end >= 2**62 or _compat.known_true(end >= x.shape[dim])
+    reaches_end = end is None or isinstance(end, int) and end >= 2**62 or shapes.known_true(end >= x.shape[dim])
     every_row = (start is None or is_int(start, 0)) and is_int(step, 1) and reaches_end
     if not every_row:
         raise Mixes(f"takes some rows of the batch (dim {dim}), not all of them")

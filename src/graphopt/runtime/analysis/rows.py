@@ -32,7 +32,7 @@ import sympy
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ... import _compat
+from ..._compat import ops
 from ..._compat.names import tree_leaves
 from . import row_indexing, row_sorts, row_views  # noqa: F401 - register their rules
 from .row_rules import (
@@ -120,7 +120,7 @@ class BatchRows:
             self._set(call, t, rows)
             if getattr(rows, "order", None) is not None:
                 self.sorted_at.setdefault(rows.order, self.at)
-        writes = [t for t in _compat.written_arguments(func, args, kwargs) if isinstance(t, torch.Tensor)]
+        writes = [t for t in ops.written_arguments(func, args, kwargs) if isinstance(t, torch.Tensor)]
         self._check_reads(call, reads, reads_written, result, writes, leaves)
         if reads:
             for t in writes:

@@ -28,7 +28,7 @@ import sympy
 import torch
 import torch.fx
 
-from ... import _compat
+from ..._compat import dynamo, shapes
 from ..._compat.names import tensor_leaves, tree_leaves
 
 
@@ -92,11 +92,11 @@ def batch_candidates(gm: torch.fx.GraphModule, dynamic_dims: Mapping[str, int] |
     symbols that took the same value when traced (input_ids: s0 and
     attention_mask: s1, both 3 rows) are one, a lookup table's (10 rows) another."""
     found: dict[Any, list] = {}
-    for dim, example in _batch_dims(_compat.graph_inputs(gm, example_inputs), dynamic_dims):
-        expr = _compat.symbol_of(example.shape[dim])
+    for dim, example in _batch_dims(dynamo.graph_inputs(gm, example_inputs), dynamic_dims):
+        expr = shapes.symbol_of(example.shape[dim])
         if expr is None or not expr.is_Symbol:
             continue
-        symbols = found.setdefault(None if dynamic_dims is not None else _compat.size_hint(example.shape[dim]), [])
+        symbols = found.setdefault(None if dynamic_dims is not None else shapes.size_hint(example.shape[dim]), [])
         if expr not in symbols:
             symbols.append(expr)
     return [tuple(symbols) for symbols in found.values()]
@@ -110,7 +110,7 @@ def signature_of(gm: torch.fx.GraphModule, dynamic_dims: Mapping[str, int] | Non
     values; `written[i]` says the graph writes input i in place (it is then used
     in place: a "mutated" input); `example_inputs` are the backend's; `mixing`
     ({batch's symbols: why or None}, from the fake run) says whose rows are independent."""
-    inputs = _compat.graph_inputs(gm, example_inputs)
+    inputs = dynamo.graph_inputs(gm, example_inputs)
     batch = _batch_symbols(inputs, dynamic_dims, mixing)
     kinds = ["mutated" if w and kind == "input" else kind for (kind, _, _), w in zip(inputs, written)]
     pads = [pad_values.get(name, 0) if name else 0 for _, name, _ in inputs]
@@ -119,7 +119,7 @@ def signature_of(gm: torch.fx.GraphModule, dynamic_dims: Mapping[str, int] | Non
     for i, (kind, name, example) in enumerate(inputs):
         where = f"input {name or i}"
         if kind == "symint":
-            expr = _compat.symbol_of(example)
+            expr = shapes.symbol_of(example)
             batch_dims.append(None)
             if expr in batch:
                 batch_symints.append(i)
@@ -153,10 +153,10 @@ def _outputs(gm: torch.fx.GraphModule, inputs: list, batch: set, other_symints: 
     """(the other symbols' SymInt inputs, each output's batch dim, the number outputs
     the runtime computes from other symbols): an other symbol that reaches no tensor
     is left out of the capture point, unless an output needs it and the runtime could not compute it."""
-    symbols = {expr: i for i in other_symints if isinstance(expr := _compat.symbol_of(inputs[i][2]), sympy.Symbol)}
+    symbols = {expr: i for i in other_symints if isinstance(expr := shapes.symbol_of(inputs[i][2]), sympy.Symbol)}
     numbers_only = _reaching_no_tensor(gm, symbols)
     for value in _output_values(gm):
-        if (expr := _compat.symbol_of(value)) is not None and not expr.free_symbols <= set(symbols):
+        if (expr := shapes.symbol_of(value)) is not None and not expr.free_symbols <= set(symbols):
             numbers_only = {k: v for k, v in numbers_only.items() if k not in expr.free_symbols}
     other_symints = [i for i in other_symints if i not in numbers_only.values()]
     number_outputs = []
@@ -167,7 +167,7 @@ def _outputs(gm: torch.fx.GraphModule, inputs: list, batch: set, other_symints: 
             out_dims.append(_batch_dim(value, batch, where, problems))
             continue
         out_dims.append(None)
-        expr = _compat.symbol_of(value)
+        expr = shapes.symbol_of(value)
         if expr is not None and expr.free_symbols & batch:
             problems.append(f"{where} is a size computed from the batch ({expr})")
         elif expr is not None and expr.free_symbols & set(numbers_only):
@@ -187,7 +187,7 @@ def _reaching_no_tensor(gm: torch.fx.GraphModule, symbols: dict) -> dict:
         found: set = set()
         for t in tensors:
             for size in (*t.shape, *t.stride(), t.storage_offset()):
-                found |= getattr(_compat.symbol_of(size), "free_symbols", set())
+                found |= getattr(shapes.symbol_of(size), "free_symbols", set())
         if tensors and node.op != "placeholder":
             for arg in tree_leaves((node.args, node.kwargs)):
                 number = arg.meta.get("example_value", arg.meta.get("val")) if isinstance(arg, torch.fx.Node) else arg
@@ -233,9 +233,9 @@ def _static_batch(inputs: list, dynamic_dims: Mapping[str, int] | None) -> int |
 def _batch_dim(value: torch.Tensor, batch: set, where: str, problems: list[str]) -> int | None:
     if not batch:
         return None
-    dims = [d for d, size in enumerate(value.shape) if _compat.symbol_of(size) in batch]
+    dims = [d for d, size in enumerate(value.shape) if shapes.symbol_of(size) in batch]
     tied = [d for d, size in enumerate(value.shape) if d not in dims and
-            (expr := _compat.symbol_of(size)) is not None and expr.free_symbols & batch]
+            (expr := shapes.symbol_of(size)) is not None and expr.free_symbols & batch]
     if len(dims) > 1 or tied:
         problems.append(f"{where} of shape {tuple(value.shape)} depends on the batch in a way "
                         "padding and slicing rows cannot undo")

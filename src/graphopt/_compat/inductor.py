@@ -1,0 +1,97 @@
+"""Inductor: a graph compiled with graphopt's post-grad pass inside, the options it
+takes, whether it can compile on this machine, and its CPU checks started early.
+
+`compile_fx`, `CustomGraphPass`, `list_options`, the C++ compiler lookup and the CPU
+vector-ISA checks are all Inductor internals (`torch._inductor`), which change between
+releases: a torch upgrade that changes them breaks this file only. Inductor's pattern
+matcher is `patterns.py`, what its autotuning chose `autotune.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Callable, Sequence
+
+import torch.fx
+
+
+def inductor_compile(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    post_grad_pass: Callable[[torch.fx.Graph], None],
+    pass_uuid: str,
+    options: dict[str, Any],
+) -> Callable:
+    """Compile a Dynamo graph with Inductor, running `post_grad_pass` as its
+    post-grad custom pass (after Inductor's own pattern passes, before lowering)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = dict(options)
+    patches["post_grad_custom_post_pass"] = _custom_graph_pass(post_grad_pass, pass_uuid)
+    return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def _custom_graph_pass(fn: Callable[[torch.fx.Graph], None], pass_uuid: str) -> Any:
+    """Wrap `fn` as Inductor's CustomGraphPass; its uuid keys Inductor's FX graph
+    cache, so two different graphopt configs never share a cached artifact."""
+    try:
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+    except ImportError:  # pragma: no cover - torch without the cache-aware interface
+        return fn
+
+    class _GraphoptPostGradPass(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            fn(graph)
+
+        def uuid(self) -> str:
+            return pass_uuid
+
+    return _GraphoptPostGradPass()
+
+
+@functools.cache
+def inductor_option_names() -> frozenset[str]:
+    """Every Inductor config key `torch.compile(options=...)` takes."""
+    import torch._inductor
+
+    return frozenset(torch._inductor.list_options())
+
+
+@functools.cache
+def check_cpu_isas_early() -> threading.Thread:
+    """Start, on a thread, the checks Inductor makes before its first CPU compile of
+    which vector ISAs the C++ compiler builds and this CPU runs: half a dozen small
+    compiles, seconds of them, serial, once per cache dir (docs/compile-cache.md, "A cold
+    start at level 2 on the CPU"). Started when a level-2
+    step is made, they overlap Dynamo's trace, AOTAutograd and the passes instead of
+    following them. Inductor reads the results (its `valid_vec_isa_list` cache, its
+    files under their locks) when it gets there; a failure here is its to report."""
+    from . import autotune
+
+    autotune.hide_cuda_home_warning()
+    # Everything the checks import, imported on this thread: two threads importing
+    # circularly dependent modules (setuptools, distutils) at once can deadlock.
+    import torch.utils.cpp_extension  # noqa: F401
+    from torch._inductor import cpu_vec_isa
+
+    def check() -> None:
+        try:
+            cpu_vec_isa.valid_vec_isa_list()
+        except Exception:  # noqa: BLE001, S110 - Inductor checks again when it compiles, and reports
+            pass
+
+    thread = threading.Thread(target=check, name="graphopt-cpu-isa-checks", daemon=True)
+    thread.start()
+    return thread
+
+
+def inductor_available() -> bool:
+    """Inductor needs a C++ compiler on CPU; report its absence instead of failing late."""
+    try:
+        from torch._inductor import cpp_builder
+
+        cpp_builder.get_cpp_compiler()
+    except Exception:  # noqa: BLE001 - any failure means "cannot compile for CPU"
+        return False
+    return True
