@@ -177,9 +177,9 @@ class GraphOptimizationConfig:
         check_choice("compute_dtype", self.compute_dtype, COMPUTE_DTYPES, optional=True)
         check_tolerance("precision_tolerance", self.precision_tolerance)
         check_choice("weight_quantization", self.weight_quantization, WEIGHT_QUANTIZATIONS, optional=True)
-        if self.weight_quantization is not None and (not self.freeze_parameters or self.graph_opt_level != 1):
+        if self.weight_quantization is not None and (not self.freeze_parameters or self.graph_opt_level not in (1, 2)):
             raise ValueError(f"weight_quantization={self.weight_quantization!r} quantizes frozen weights at compile "
-                             "time, at level 1: it needs freeze_parameters=True and graph_opt_level=1")
+                             "time, at level 1 or 2: it needs freeze_parameters=True and graph_opt_level=1 or 2")
         check_int("cudagraph_num_of_warmups", self.cudagraph_num_of_warmups, minimum=0)
         check_choice("cudagraph_mode", self.cudagraph_mode, CUDAGRAPH_MODES, optional=True)
         self.cudagraph_splitting_ops = aten_op_names(self.cudagraph_splitting_ops)
