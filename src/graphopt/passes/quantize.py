@@ -24,6 +24,8 @@ WEIGHT_QUANTIZATION = "graphopt_weight_quantization"
 # The kernel reads the reduction dimension in blocks of 16: other sizes give wrong
 # results or crash, so those linears stay as they are.
 _K_BLOCK = 16
+# The int8 values a weight takes: -127..127, symmetric, so a scale maps max|w| to 127.
+_LEVELS = 127
 
 
 def quantize_weights(gm: torch.fx.GraphModule) -> PassResult:
@@ -110,11 +112,11 @@ def _quantize(gm: torch.fx.GraphModule, node: torch.fx.Node, operands: tuple, co
 def _quantized_weight(gm: torch.fx.GraphModule, w: torch.fx.Node, fake_mode) -> tuple[torch.fx.Node, torch.fx.Node]:
     """The nodes computing `w` in int8 and its scales in bfloat16 (the caller folds them)."""
     amax = _node(gm, aten.amax.default, (_node(gm, aten.abs.default, (w,), fake_mode), [1]), fake_mode)
-    scale = _node(gm, aten.clamp_min.default, (_node(gm, aten.div.Tensor, (amax, 127.0), fake_mode), 1e-12),
+    scale = _node(gm, aten.clamp_min.default, (_node(gm, aten.div.Tensor, (amax, float(_LEVELS)), fake_mode), 1e-12),
                   fake_mode)
     ratio = _node(gm, aten.div.Tensor, (w, _node(gm, aten.unsqueeze.default, (scale, 1), fake_mode)), fake_mode)
-    rounded = _node(gm, aten.clamp.default, (_node(gm, aten.round.default, (ratio,), fake_mode), -127.0, 127.0),
-                    fake_mode)
+    rounded = _node(gm, aten.clamp.default,
+                    (_node(gm, aten.round.default, (ratio,), fake_mode), -float(_LEVELS), float(_LEVELS)), fake_mode)
     weight = _node(gm, prims.convert_element_type.default, (rounded, torch.int8), fake_mode)
     return weight, _node(gm, prims.convert_element_type.default, (scale, torch.bfloat16), fake_mode)
 
