@@ -225,7 +225,8 @@ def measured_error(gm: torch.fx.GraphModule, expected: Sequence[torch.Tensor], a
     relative, largest, mean = worst_error(expected, actual)
     error = {"dtype": label(gm), "max_abs_error": largest, "mean_abs_error": mean, "relative_error": relative,
              "tolerance": tolerance, "fell_back": tolerance is not None and not relative <= tolerance}
-    agreement = token_agreement(gm, expected, actual, gm.meta.get(AGREEMENT_STEPS, 32))
+    steps = gm.meta.get(AGREEMENT_STEPS, GraphOptimizationConfig.token_agreement_steps)
+    agreement = token_agreement(gm, expected, actual, steps)
     if agreement is not None:
         error["token_agreement"], error["tokens_compared"] = agreement[0] / agreement[1], agreement[1]
     return error
@@ -240,8 +241,8 @@ def token_agreement(gm: torch.fx.GraphModule, expected: Sequence[torch.Tensor], 
     the same inputs (teacher-forced), not from an earlier token this graph chose.
     None where the graph has no logits: no result whose last dim is the vocabulary of
     an embedding it reads (the token ids a causal LM embeds)."""
-    vocab = {value_of(n.args[0]).shape[0] for n in gm.graph.find_nodes(op="call_function", target=aten.embedding.default)
-             if value_of(n.args[0]) is not None}
+    tables = [value_of(n.args[0]) for n in gm.graph.find_nodes(op="call_function", target=aten.embedding.default)]
+    vocab = {table.shape[0] for table in tables if table is not None}
     for e, a in zip(expected, actual):
         if e.dtype.is_floating_point and e.dim() >= 2 and e.shape[-1] in vocab and e.numel():
             e, a = (t.reshape(t.shape[0], -1, t.shape[-1])[:, :steps] for t in (e, a))
