@@ -84,3 +84,25 @@ def test_decoder_step_at_level_2_with_int8_weights(decoder):
     error = opt.report().graphs[0].precision
     assert error["relative_error"] < 0.05 and error["tokens_compared"] == 3
     assert error["token_agreement"] == torch.sum(out.argmax(-1) == expected.argmax(-1)).item() / 3
+
+
+class Scores(torch.nn.Module):
+    """A linear, then a product of two activations (no weight in it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(64, 32)
+
+    def forward(self, x, y):
+        return self.proj(x) @ y.t()
+
+
+def test_a_product_of_activations_is_neither_quantized_nor_counted():
+    torch.manual_seed(0)
+    model, x, y = Scores().eval(), torch.randn(8, 64), torch.randn(6, 32)
+    opt = quantized(model)
+    with torch.no_grad():
+        assert_within_int8(opt(x, y), model(x, y))
+    assert {p.name: p.counts for p in opt.report().passes}["quantize_weights"] == {"quantized": 1}
+    (gm,) = opt.graphs()
+    assert len(kernels(gm)) == 1 and sum(n.target is aten.mm.default for n in gm.graph.nodes) == 1

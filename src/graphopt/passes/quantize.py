@@ -51,6 +51,9 @@ def quantize_weights(gm: torch.fx.GraphModule) -> PassResult:
     counts: dict[str, int] = {}
     for node in list(gm.graph.nodes):
         operands = _operands(node)
+        # An mm is a linear's only on a weight: products of two activations are not counted.
+        if operands is not None and node.target is not aten.linear.default and operands[1] not in constants:
+            continue
         if operands is not None and fake_mode is not None:
             kind = "quantized" if _quantize(gm, node, operands, constants, fake_mode) else "skipped"
             counts[kind] = counts.get(kind, 0) + 1
