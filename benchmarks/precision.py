@@ -71,6 +71,9 @@ VARIANTS = {  # name -> config keys
     "level 1 frozen": dict(graph_opt_level=1, use_cudagraph=False, freeze_parameters=True),
     "level 1 frozen + host graphs": dict(graph_opt_level=1, use_cudagraph=True, freeze_parameters=True),
     "level 2 frozen": dict(graph_opt_level=2, use_cudagraph=False, freeze_parameters=True),
+    # Inductor without timing its C++ GEMM template: every GEMM is ATen's (int8: _weight_int8pack_mm).
+    "level 2 frozen + ATen GEMMs": dict(graph_opt_level=2, use_cudagraph=False, freeze_parameters=True,
+                                        inductor_compile_config={"max_autotune_gemm": False}),
 }
 
 
@@ -92,7 +95,7 @@ def optimized(model, args) -> dict[str, torch.nn.Module]:
             continue
         for precision, more in PRECISIONS.items():
             if precision not in args.precisions.split(",") or ("weight_quantization" in more and (
-                    keys["graph_opt_level"] != 1 or not keys["freeze_parameters"])):
+                    keys["graph_opt_level"] not in (1, 2) or not keys["freeze_parameters"])):
                 continue
             config = graphopt.GraphOptimizationConfig(**keys, **more, cache_dir=None,
                                                       cudagraph_capture_sizes=batch_sizes)

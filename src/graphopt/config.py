@@ -157,8 +157,11 @@ class GraphOptimizationConfig:
     # With compute_dtype: the largest error allowed, as a fraction of the output's largest
     # magnitude, measured at compile time; past it the graph keeps full precision. None: no bound.
     precision_tolerance: float | None = 0.05
-    # "int8": linears' frozen weights in int8, a scale per output channel (passes/quantize.py), level 1.
+    # "int8": linears' frozen weights in int8, a scale per output channel (passes/quantize.py), level 1 or 2.
     weight_quantization: str | None = None
+    # With compute_dtype or weight_quantization, for a causal LM: how many positions of each
+    # sequence the greedy-token agreement with full precision compares (reported, not bounded).
+    token_agreement_steps: int = 32
 
     def __post_init__(self) -> None:
         if self.graph_opt_level != AUTO_LEVEL:
@@ -177,9 +180,10 @@ class GraphOptimizationConfig:
         check_choice("compute_dtype", self.compute_dtype, COMPUTE_DTYPES, optional=True)
         check_tolerance("precision_tolerance", self.precision_tolerance)
         check_choice("weight_quantization", self.weight_quantization, WEIGHT_QUANTIZATIONS, optional=True)
-        if self.weight_quantization is not None and (not self.freeze_parameters or self.graph_opt_level != 1):
+        if self.weight_quantization is not None and (not self.freeze_parameters or self.graph_opt_level not in (1, 2)):
             raise ValueError(f"weight_quantization={self.weight_quantization!r} quantizes frozen weights at compile "
-                             "time, at level 1: it needs freeze_parameters=True and graph_opt_level=1")
+                             "time, at level 1 or 2: it needs freeze_parameters=True and graph_opt_level=1 or 2")
+        check_int("token_agreement_steps", self.token_agreement_steps, minimum=1)
         check_int("cudagraph_num_of_warmups", self.cudagraph_num_of_warmups, minimum=0)
         check_choice("cudagraph_mode", self.cudagraph_mode, CUDAGRAPH_MODES, optional=True)
         self.cudagraph_splitting_ops = aten_op_names(self.cudagraph_splitting_ops)

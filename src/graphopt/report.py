@@ -370,8 +370,12 @@ def _choice_line(choice: dict[str, Any]) -> str:
 
 def _precision_line(error: dict[str, Any]) -> str:
     kept = "kept" if not error["fell_back"] else f"over precision_tolerance={error['tolerance']:g}: full precision"
+    tokens = ""
+    if "token_agreement" in error:  # a causal LM's logits (passes/precision.py token_agreement)
+        tokens = (f", greedy tokens agree on {round(error['token_agreement'] * error['tokens_compared'])} of "
+                  f"{error['tokens_compared']} ({100 * error['token_agreement']:.3g}%)")
     return (f"    lower precision ({error['dtype']}): max abs error {error['max_abs_error']:.3g}, mean "
-            f"{error['mean_abs_error']:.3g}, {error['relative_error']:.3g} of the output's magnitude ({kept})")
+            f"{error['mean_abs_error']:.3g}, {error['relative_error']:.3g} of the output's magnitude{tokens} ({kept})")
 
 
 def _plan_lines(plan: PlanRecord) -> str:

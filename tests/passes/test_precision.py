@@ -282,10 +282,10 @@ def test_decoder_step_with_int8_weights(decoder):
 @pytest.mark.parametrize("changes, error, message", [
     ({"weight_quantization": "int4"}, ValueError, "weight_quantization must be one of 'int8' or null, got 'int4'"),
     ({"weight_quantization": "int8"}, ValueError, "weight_quantization='int8' quantizes frozen weights at compile "
-                                                  "time, at level 1: it needs freeze_parameters=True and "
-                                                  "graph_opt_level=1"),
-    ({"weight_quantization": "int8", "freeze_parameters": True, "graph_opt_level": 2}, ValueError,
-     "it needs freeze_parameters=True and graph_opt_level=1"),
+                                                  "time, at level 1 or 2: it needs freeze_parameters=True and "
+                                                  "graph_opt_level=1 or 2"),
+    ({"weight_quantization": "int8", "freeze_parameters": True, "graph_opt_level": 0}, ValueError,
+     "it needs freeze_parameters=True and graph_opt_level=1 or 2"),
     ({"compute_dtype": "float16"}, ValueError, "compute_dtype must be one of 'bfloat16' or null, got 'float16'"),
     ({"compute_dtype": torch.bfloat16}, TypeError, "compute_dtype must be one of 'bfloat16' or null, got "),
     ({"precision_tolerance": 0}, ValueError, "precision_tolerance must be a number > 0 (a fraction of the output's "

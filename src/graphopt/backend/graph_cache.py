@@ -206,6 +206,7 @@ class BackendCache:
                   "freeze_parameters": config.freeze_parameters,
                   "compute_dtype": config.compute_dtype, "precision_tolerance": config.precision_tolerance,
                   "weight_quantization": config.weight_quantization,
+                  "token_agreement_steps": config.token_agreement_steps,
                   "inductor_compile_config": config.inductor_compile_config}
         return cache.cache_key(json.dumps(fields, sort_keys=True), fingerprint)
 

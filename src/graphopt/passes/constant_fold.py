@@ -126,7 +126,9 @@ def refresh_folded_constants(gm: torch.fx.GraphModule) -> int:
     from their current values; returns how many were recomputed. In place: the
     buffers keep their addresses, so captured device graphs stay valid."""
     frozen = gm.meta.get(FROZEN_INPUTS, {})
-    recipes = gm.meta.get(FOLDED_RECIPES, {})
+    # At level 2 Inductor's C++ GEMM template packs a constant weight and drops the original
+    # from the module; refresh() compiled that graph again from the current weights (repack.py).
+    recipes = {name: recipe for name, recipe in gm.meta.get(FOLDED_RECIPES, {}).items() if hasattr(gm, name)}
     with fake.outside_fake_mode(), torch.inference_mode(False), torch.no_grad():
         for name, recipe in recipes.items():  # in folding order: later recipes read earlier values
             args = [frozen[p.target] for p in recipe.graph.find_nodes(op="placeholder")]

@@ -35,6 +35,8 @@ aten, prims = torch.ops.aten, torch.ops.prims
 COMPUTE_DTYPE = "graphopt_compute_dtype"
 # Set by the manager: the error this pass's rewrite measured (`output_error`).
 PRECISION_ERROR = "graphopt_precision_error"
+# Set by the manager: how many positions of each sequence the greedy-token agreement compares.
+AGREEMENT_STEPS = "graphopt_token_agreement_steps"
 _CAST = prims.convert_element_type.default
 _GEMM = "a product: the kernel (oneDNN on the CPU, cuBLAS) multiplies bfloat16 and accumulates in float32"
 
@@ -170,6 +172,7 @@ def prepare(gm: torch.fx.GraphModule, config: GraphOptimizationConfig,
     if config.compute_dtype is not None:
         gm.meta[COMPUTE_DTYPE] = compute_dtype(gm, config.compute_dtype, fallback)
     gm.meta[WEIGHT_QUANTIZATION] = config.weight_quantization
+    gm.meta[AGREEMENT_STEPS] = config.token_agreement_steps
 
 
 def compute_dtype(gm: torch.fx.GraphModule, name: str,
@@ -215,10 +218,36 @@ def label(gm: torch.fx.GraphModule) -> str:
 def measured_error(gm: torch.fx.GraphModule, expected: Sequence[torch.Tensor], actual: Sequence[torch.Tensor],
                    tolerance: float | None) -> dict[str, Any]:
     """How far `actual` (the lowered graph's results) is from `expected` (full precision's),
-    as `worst_error` measures it, and whether it is past `tolerance`."""
+    as `worst_error` measures it, and whether it is past `tolerance`; for a causal LM's
+    graph also its greedy-token agreement (`token_agreement`), which is reported only: a
+    bound on it would undo the rewrite for one near-tie flipped among a handful of tokens."""
     relative, largest, mean = worst_error(expected, actual)
-    return {"dtype": label(gm), "max_abs_error": largest, "mean_abs_error": mean, "relative_error": relative,
-            "tolerance": tolerance, "fell_back": tolerance is not None and not relative <= tolerance}
+    error = {"dtype": label(gm), "max_abs_error": largest, "mean_abs_error": mean, "relative_error": relative,
+             "tolerance": tolerance, "fell_back": tolerance is not None and not relative <= tolerance}
+    steps = gm.meta.get(AGREEMENT_STEPS, GraphOptimizationConfig.token_agreement_steps)
+    agreement = token_agreement(gm, expected, actual, steps)
+    if agreement is not None:
+        error["token_agreement"], error["tokens_compared"] = agreement[0] / agreement[1], agreement[1]
+    return error
+
+
+def token_agreement(gm: torch.fx.GraphModule, expected: Sequence[torch.Tensor], actual: Sequence[torch.Tensor],
+                    steps: int) -> tuple[int, int] | None:
+    """(agreeing, compared): how many greedy tokens (argmax over the vocabulary) of the
+    graph's logits in `actual` equal full precision's in `expected`, over the first
+    `steps` positions of each sequence ([batch, vocab]: one per sequence; [batch, seq,
+    vocab]: the first `steps` of seq). Each position's token is the one predicted from
+    the same inputs (teacher-forced), not from an earlier token this graph chose.
+    None where the graph has no logits: no result whose last dim is the vocabulary of
+    an embedding it reads (the token ids a causal LM embeds)."""
+    tables = [value_of(n.args[0]) for n in gm.graph.find_nodes(op="call_function", target=aten.embedding.default)]
+    vocab = {table.shape[0] for table in tables if table is not None}
+    for e, a in zip(expected, actual):
+        if e.dtype.is_floating_point and e.dim() >= 2 and e.shape[-1] in vocab and e.numel():
+            e, a = (t.reshape(t.shape[0], -1, t.shape[-1])[:, :steps] for t in (e, a))
+            same = e.argmax(-1) == a.argmax(-1)
+            return int(same.sum()), same.numel()
+    return None
 
 
 def worst_error(expected: Sequence[torch.Tensor], actual: Sequence[torch.Tensor]) -> tuple[float, float, float]:
