@@ -178,8 +178,7 @@ def searches_cached_in(directory: str | None, report: Report) -> Iterator[None]:
     """Inside, a pattern set registering its patterns loads each traced search pattern
     from the compile cache in `directory` (None: no cache; they are kept in its
     `patterns/`, apart from the graphs), or traces it and stores it there: tracing
-    about a hundred patterns is most of a small model's first level-1 compile
-    (docs/compile-cache.md)."""
+    them is a large part of a small model's first level-1 compile (docs/compile-cache.md)."""
     token = _SEARCH_CACHE.set(CompileCache(Path(directory) / "patterns", report) if _trusted(directory) else None)
     try:
         yield
