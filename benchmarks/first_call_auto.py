@@ -4,7 +4,7 @@ first call (as it did before level 2 moved to a child process). Each contender r
 a fresh process (a process's first compile pays one-time costs), rounds interleaved;
 medians.
 
-    python benchmarks/first_call_auto.py --models mlp,bert --rounds 3
+    python benchmarks/first_call_auto.py --models mlp,bert,sdpa --rounds 3
 """
 
 from __future__ import annotations
@@ -27,6 +27,11 @@ def build(name: str):
         model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.LayerNorm(512),
                                     torch.nn.Linear(512, 256)).eval()
         return model, (torch.randn(8, 256),)
+    if name == "sdpa":  # one of the decoder spellings (tests/decoder_spellings.py), a decode step
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+        from decoder_spellings import SPELLINGS, decode_inputs
+
+        return SPELLINGS[name]().eval(), decode_inputs(4, 5)
     from transformers import BertConfig, BertModel
 
     model = BertModel(BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
