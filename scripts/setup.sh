@@ -9,7 +9,9 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 extras="${1:-}"
-pip=(--quiet --disable-pip-version-check)
+# --no-compile: Python compiles a module when it is first imported; pip would compile all
+# of torch's and transformers' tens of thousands of modules up front.
+pip=(--quiet --disable-pip-version-check --no-compile)
 case "${GRAPHOPT_TORCH:-pinned}" in
     pinned) venv=.venv; pin=(-c constraints.txt) ;;
     newest) venv=.venv-newest; pin=(); pip+=(--no-cache-dir) ;;
@@ -19,11 +21,15 @@ esac
 if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
 fi
+# torch first, outside the lock below: its download (minutes for a CUDA build) must not
+# hold up the other venvs' installs.
 if [ "$venv" = .venv-newest ]; then
     "$venv/bin/python" -m pip install "${pip[@]}" --upgrade torch
+elif [ "$venv" = .venv-oldest ]; then
+    "$venv/bin/python" -m pip install "${pip[@]}" "${pin[@]}"
 fi
 # The editable install writes src/graphopt.egg-info: one at a time when CI sets up
-# both venvs at once.
+# the three venvs at once.
 lock=()
 if command -v flock >/dev/null; then lock=(flock scripts/setup.sh); fi
 "${lock[@]}" "$venv/bin/python" -m pip install "${pip[@]}" "${pin[@]}" -e ".${extras}"
