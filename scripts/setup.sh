@@ -9,7 +9,9 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 extras="${1:-}"
-pip=(--quiet --disable-pip-version-check)
+# --no-compile: Python compiles a module when it is first imported; pip would compile all
+# of torch's and transformers' tens of thousands of modules up front.
+pip=(--quiet --disable-pip-version-check --no-compile)
 case "${GRAPHOPT_TORCH:-pinned}" in
     pinned) venv=.venv; pin=(-c constraints.txt) ;;
     newest) venv=.venv-newest; pin=(); pip+=(--no-cache-dir) ;;
@@ -19,12 +21,23 @@ esac
 if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
 fi
-if [ "$venv" = .venv-newest ]; then
-    "$venv/bin/python" -m pip install "${pip[@]}" --upgrade torch
+# A venv installed from this pyproject.toml and constraints.txt, with these extras, is not
+# installed again (a few seconds of pip for every test run); the newest torch always is.
+stamp="$venv/graphopt-setup-${extras//[^a-z]/}"
+wanted=$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum)
+if [ "$venv" = .venv-newest ] || [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
+    # torch first, outside the lock below: its download (minutes for a CUDA build) must
+    # not hold up the other venvs' installs.
+    if [ "$venv" = .venv-newest ]; then
+        "$venv/bin/python" -m pip install "${pip[@]}" --upgrade torch
+    elif [ "$venv" = .venv-oldest ]; then
+        "$venv/bin/python" -m pip install "${pip[@]}" "${pin[@]}"
+    fi
+    # The editable install writes src/graphopt.egg-info: one at a time when CI sets up
+    # the three venvs at once.
+    lock=()
+    if command -v flock >/dev/null; then lock=(flock scripts/setup.sh); fi
+    "${lock[@]}" "$venv/bin/python" -m pip install "${pip[@]}" "${pin[@]}" -e ".${extras}"
+    echo "$wanted" >"$stamp"
 fi
-# The editable install writes src/graphopt.egg-info: one at a time when CI sets up
-# both venvs at once.
-lock=()
-if command -v flock >/dev/null; then lock=(flock scripts/setup.sh); fi
-"${lock[@]}" "$venv/bin/python" -m pip install "${pip[@]}" "${pin[@]}" -e ".${extras}"
-echo "$venv: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')" >&2
+echo "$venv: torch $("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("torch"))')" >&2

@@ -1,14 +1,16 @@
 """graphopt's C++ sources built on first use with torch's C++ extension loader (a C++
 compiler and `ninja`, both already needed by Inductor's CPU code), into torch's
 extensions directory (`$TORCH_EXTENSIONS_DIR`, else `~/.cache/torch_extensions`),
-once per source, torch version and `key`: the first build on a machine takes about
-a minute, later processes load it in milliseconds."""
+once per source, flags, torch version and `key`: the first build on a machine takes
+about a minute, later processes (of any checkout or venv with that torch) load it in
+milliseconds."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import time
@@ -41,14 +43,37 @@ def build(stem: str, source: Path, extra_cflags: Sequence[str], key: str = "",
     autotune.hide_cuda_home_warning()
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha256(source.read_bytes() + torch.__version__.encode() + key.encode()).hexdigest()[:12]
+    what = b"\0".join([source.read_bytes(), torch.__version__.encode(), key.encode(), " ".join(extra_cflags).encode()])
+    name = f"{stem}_{hashlib.sha256(what).hexdigest()[:12]}"
     try:
-        _remove_stale_lock(autotune.extension_build_lock(f"{stem}_{digest}"))
-        module = cpp_extension.load(f"{stem}_{digest}", [str(source)], extra_cflags=list(extra_cflags),
+        lock = autotune.extension_build_lock(name)
+        _remove_stale_lock(lock)
+        built = _load_built(name, lock, python_module)
+        if built is not None:
+            return built, None
+        module = cpp_extension.load(name, [str(source)], extra_cflags=list(extra_cflags),
                                     is_python_module=python_module)
         return module, None
     except Exception as error:  # noqa: BLE001 - no compiler, no ninja, a header torch moved: the caller falls back
         return None, first_line(error) or type(error).__name__
+
+
+def _load_built(name: str, lock: str, python_module: bool) -> Any:
+    """What an earlier build of `name` left, loaded as torch's loader loads it, or None.
+    The name holds all the build depends on; torch's loader would build it again for
+    another checkout or venv, whose paths are in its ninja file."""
+    import torch
+
+    library = os.path.join(os.path.dirname(lock), f"{name}.so")
+    if os.path.exists(lock) or not os.path.exists(library):
+        return None
+    if not python_module:
+        torch.ops.load_library(library)
+        return library
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _remove_stale_lock(lock: str) -> None:
