@@ -113,6 +113,18 @@ def meta_rows(q, k, freqs_cis):
     return tuple(x.reshape(-1, D) for x in meta(q, k, freqs_cis))
 
 
+def meta_gathered(q, k, freqs_cis, positions):
+    """Meta's form with each row's angles gathered from the whole table, as a decoder
+    with a KV cache reads them: `freqs_cis[positions][:, :, None]`."""
+    freqs = freqs_cis[positions][:, :, None]
+
+    def turn(x):
+        paired = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(paired * freqs).flatten(3).type_as(x)
+
+    return turn(q), turn(k)
+
+
 def cases():
     """The real spellings, rewritten (or, GPT-J's, matched as they are) at level 1."""
     cos, sin = halves_table()
@@ -128,8 +140,11 @@ def cases():
 def complex_cases(dtype=torch.float32):
     """Meta's complex products, rewritten at level 2."""
     freqs_cis = torch.polar(torch.ones(S, D // 2), angles())
+    positions = torch.tensor([[3, 4, 5, 6, 7], [0, 1, 2, 3, 4]])
+    table = torch.polar(torch.ones(2 * S, D // 2), torch.rand(2 * S, D // 2) * 6)
     return {"meta complex": (meta, (*qk(heads_first=False, dtype=dtype), freqs_cis)),
-            "meta complex, views merged": (meta_rows, (*qk(heads_first=False, dtype=dtype), freqs_cis))}
+            "meta complex, views merged": (meta_rows, (*qk(heads_first=False, dtype=dtype), freqs_cis)),
+            "meta complex, rows gathered": (meta_gathered, (*qk(heads_first=False, dtype=dtype), table, positions))}
 
 
 def rewrite(fn, args):
@@ -190,6 +205,10 @@ def test_level_2_makes_complex_products_real_math(name, dtype):
     left = targets(gm)
     assert not {aten.view_as_complex.default, aten.stack.default} & set(left), left
     assert left.count(aten.view_as_real.default) == 1, left
+    # Only the table itself stays complex: a gather or view of it is made on its real pairs.
+    complex_values = [n.name for n in gm.graph.nodes if n.op == "call_function"
+                      and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_complex()]
+    assert complex_values == [], complex_values
 
 
 def test_level_2_leaves_real_spellings_to_inductor():

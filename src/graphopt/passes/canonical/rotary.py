@@ -19,6 +19,10 @@ aten = torch.ops.aten
 _END = 9223372036854775807  # how a trace writes an open-ended slice
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
+# Ops that act on a complex tensor's elements as on its real pairs, by the index of
+# their dim arguments: indexing (never the last dim: the pair comes after it) and views.
+_PAIRWISE = {aten.index.Tensor: (), aten.unsqueeze.default: (1,), aten.select.int: (1,),
+             aten.slice.Tensor: (1,)}
 # How each join orders the parts it turns: (-second half, first half), (-odd, even).
 _JOINS = {aten.cat.default: ("second", "first"), aten.stack.default: ("odd", "even")}
 
@@ -47,7 +51,9 @@ def canonicalize_rotary(gm: torch.fx.GraphModule) -> PassResult:
     ATen. At level 1 the complex product stays: it is one ATen kernel, which the
     fused op (a product and two multiply-adds) does not beat. Only where the
     rewritten sum has the original's dtype and strides (views after it rely on
-    them); sites already in a fused form are left as they are.
+    them); sites already in a fused form are left as they are. Where freqs_cis is an
+    input's rows (`table[positions]`), they are gathered from `view_as_real(table)`,
+    so no complex value is left for Inductor but the input's view.
     """
     mode = fake.fake_mode_of(gm) or contextlib.nullcontext()
     level = gm.meta.get("graphopt_level", 1)
@@ -216,7 +222,7 @@ class _Writer:
     def table(self, freqs: torch.fx.Node, width: int) -> tuple | None:
         """(cos, sin, the nodes made): freqs' real and imaginary parts, each repeated
         over its pair, [..., d]."""
-        parts = self.call(aten.view_as_real.default, freqs)
+        parts = self.real_pairs(freqs)
         sizes = self.sizes(freqs)[:-1] + [width]
         if parts is None:
             return self.undo()
@@ -229,6 +235,25 @@ class _Writer:
             return self.undo()
         made, self.made = self.made, []  # kept for this site and the others that read freqs
         return (*found, made)
+
+    def real_pairs(self, freqs: torch.fx.Node) -> torch.fx.Node | None:
+        """`view_as_real(freqs)`, [..., d/2, 2]. Where freqs is a graph input's rows
+        (`freqs_cis[positions][:, :, None]`), the gather and views are made on the
+        input's real pairs instead: Inductor leaves complex math, a gather included, to
+        ATen, and a view of an input costs nothing."""
+        chain, node = [], freqs
+        while node.op == "call_function" and node.target in _PAIRWISE and not node.kwargs \
+                and isinstance(node.args[0], torch.fx.Node):
+            chain.append(node)
+            node = node.args[0]
+        if not chain or node.op not in ("placeholder", "get_attr"):
+            return self.call(aten.view_as_real.default, freqs)
+        made = self.call(aten.view_as_real.default, node)
+        for step in reversed(chain):
+            dims = _PAIRWISE[step.target]  # the args that are dims: a negative one counts past the pair
+            args = [a - 1 if i in dims and isinstance(a, int) and a < 0 else a for i, a in enumerate(step.args)]
+            made = made and self.call(step.target, made, *args[1:])
+        return made
 
     def rotary(self, x: torch.fx.Node, cos: torch.fx.Node, sin: torch.fx.Node, pairs: bool) -> bool:
         rank, width = value_of(x).dim(), value_of(x).shape[-1]
