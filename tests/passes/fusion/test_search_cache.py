@@ -94,13 +94,17 @@ def _missing_operator(namespace, name, overload):
 
 
 @pytest.mark.parametrize("level", [1, 2])
-def test_every_builtin_search_pattern_survives_the_round_trip(level):
-    """Each of the fusion library's searches, stored and loaded, is the pattern traced."""
-    from graphopt.passes.fusion.replacement import _inductor_trace, fwd_only
+def test_every_builtin_search_pattern_survives_the_round_trip_and_owns_its_key(level):
+    """Each of the fusion library's searches, stored and loaded, is the pattern traced;
+    and searches that share a key (so one is traced for all) trace to one pattern.
+    Pattern factories make many functions of one name that differ only in what they
+    capture: a key that missed that would hand one norm's search to another."""
+    from graphopt.passes.fusion.replacement import _inductor_trace, _search_key, fwd_only
 
-    sets = [norm.NORMS, activation.ACTIVATIONS, rotary.ROTARY, eltwise.ELTWISE]
+    printed = pattern_matcher.PatternPrettyPrinter.run
+    by_key: dict[str, tuple[str, str, str]] = {}
     checked = 0
-    for found in sets:
+    for found in [norm.NORMS, activation.ACTIVATIONS, rotary.ROTARY, eltwise.ELTWISE]:
         for pattern in found.patterns:
             if level not in pattern.levels or pattern.search_fn_pattern is not None:
                 continue
@@ -109,8 +113,9 @@ def test_every_builtin_search_pattern_survives_the_round_trip(level):
                 pattern.search_fn, list(pattern.example_inputs), trace, pattern.scalar_workaround or {})
             [stored] = patterns._dump_search(traced, str(gm.graph))
             loaded, text = patterns._load_search(stored)
-            printed = pattern_matcher.PatternPrettyPrinter.run
-            assert printed(loaded) == printed(traced), pattern.name
-            assert text == str(gm.graph)
+            assert printed(loaded) == printed(traced) and text == str(gm.graph), pattern.name
+            key = _search_key(pattern, trace)
+            first = by_key.setdefault(key, (pattern.name, printed(traced), text))
+            assert first[1:] == (printed(traced), text), f"{pattern.name} shares a key with {first[0]}"
             checked += 1
     assert checked >= 10

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 import threading
+import types
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -198,10 +200,38 @@ def _search_key(pattern: Pattern, trace: Callable) -> str | None:
     """What decides the traced search pattern (graphopt's and torch's versions are in
     every key), or None where a function reads what no key can capture."""
     try:
-        parts = [fingerprint(x) for x in (pattern.search_fn, trace, pattern.scalar_workaround, _examples(pattern))]
+        parts = [_identity(pattern.search_fn), fingerprint(trace), fingerprint(pattern.scalar_workaround),
+                 fingerprint(_examples(pattern))]
     except Unkeyable:
         return None
     return cache_key("search pattern", *parts)
+
+
+def _identity(value: Any, depth: int = 0) -> str:
+    """`fingerprint`, with what a function captures keyed even where `fingerprint` names
+    the function alone (graphopt's own: its version is in every key). Pattern factories
+    make many functions of one name, told apart only by their cells and defaults."""
+    if depth > 8:
+        raise Unkeyable("functions captured more than 8 deep")
+    if isinstance(value, functools.partial):
+        return f"partial {_identity(value.func, depth + 1)} {_identity(value.args, depth + 1)} " \
+               f"{_identity(value.keywords, depth + 1)}"
+    if isinstance(value, types.FunctionType):
+        cells = [_identity(_contents(cell), depth + 1) for cell in value.__closure__ or ()]
+        return f"{fingerprint(value)} cells ({', '.join(cells)}) defaults " \
+               f"{_identity(value.__defaults__, depth + 1)} {_identity(value.__kwdefaults__, depth + 1)}"
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__}({', '.join(_identity(v, depth + 1) for v in value)})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{fingerprint(k)}: {_identity(v, depth + 1)}" for k, v in value.items()) + "}"
+    return fingerprint(value)
+
+
+def _contents(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # not assigned yet: a function that refers to itself, being defined
+        return "<empty cell>"
 
 
 def _register(pattern: Pattern, matcher: Any, counts: Counter, level: int) -> None:
