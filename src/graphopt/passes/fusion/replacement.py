@@ -170,8 +170,8 @@ _SEARCH_CACHE: contextvars.ContextVar[CompileCache | None] = contextvars.Context
                                                                                      default=None)
 
 
-# Search patterns traced in this process, by _search_key: several sets search for the
-# same computation (a norm with and without its residual add, at each level).
+# Search patterns traced or loaded in this process, by _search_key: a search that several
+# patterns share is traced once, and a pattern set registered again reads no file.
 _TRACED: dict[str, bytes] = {}
 
 
