@@ -29,7 +29,7 @@ PHASES = [
     ("      Inductor: compile_fx_inner", "compile_fx_inner"),
     ("        lowering (GraphLowering.run)", "GraphLowering.run"),
     ("        code generation and C++ build", "GraphLowering.compile_to_module"),
-    ("        GEMM autotuning (select_algorithm)", "select_algorithm_autotune"),
+    ("          GEMM autotuning (within lowering)", "mm_template_autotuning"),
 ]
 
 
