@@ -27,7 +27,7 @@ def build(name: str):
         model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.LayerNorm(512),
                                     torch.nn.Linear(512, 256)).eval()
         return model, (torch.randn(8, 256),)
-    if name == "sdpa":  # one of the decoder spellings (tests/decoder_spellings.py), a decode step
+    if name in ("interleaved", "sdpa", "baddbmm", "grouped"):  # a decoder spelling's decode step
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
         from decoder_spellings import SPELLINGS, decode_inputs
 

@@ -25,19 +25,12 @@ HOWS = ("torch.compile", "traced", "from the cache")
 
 def child(model_name: str, cache_dir: str) -> None:
     import torch
+    from first_call_auto import build  # the same MLP and decoder step
 
     import graphopt
 
     torch.set_num_threads(1)
-    if model_name == "mlp":
-        model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.LayerNorm(512),
-                                    torch.nn.Linear(512, 256)).eval()
-        args = (torch.randn(8, 256),)
-    else:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from decoder_spellings import SPELLINGS, decode_inputs
-
-        model, args = SPELLINGS[model_name]().eval(), decode_inputs(4, 5)
+    model, args = build(model_name)
     with torch.no_grad():
         start = time.perf_counter()
         if cache_dir == "torch.compile":
