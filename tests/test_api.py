@@ -241,7 +241,7 @@ class HalfScaled(torch.nn.Module):
 def test_refresh_recomputes_folded_weights(device_graphs):
     torch.manual_seed(0)
     model = HalfScaled()
-    cfg = graphopt.GraphOptimizationConfig(use_cudagraph=device_graphs, freeze_parameters=True,
+    cfg = graphopt.GraphOptimizationConfig(graph_opt_level=1, use_cudagraph=device_graphs, freeze_parameters=True,
                                            cudagraph_capture_sizes=[4])
     opt = graphopt.optimize(model, cfg)
     x = torch.randn(3, 4)

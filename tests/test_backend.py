@@ -46,8 +46,9 @@ def test_backend_options_are_validated(decoder):
 
 
 def test_frozen_inputs_are_handed_to_the_passes_only_when_parameters_are_frozen(decoder):
-    frozen = graphopt.optimize(decoder, graphopt.GraphOptimizationConfig(use_cudagraph=False, freeze_parameters=True))
-    live = graphopt.optimize(decoder, graphopt.GraphOptimizationConfig(use_cudagraph=False))
+    frozen = graphopt.optimize(decoder, graphopt.GraphOptimizationConfig(
+        graph_opt_level=1, use_cudagraph=False, freeze_parameters=True))
+    live = graphopt.optimize(decoder, graphopt.GraphOptimizationConfig(graph_opt_level=1, use_cudagraph=False))
     with torch.inference_mode():
         frozen(*decode_inputs(3))
         live(*decode_inputs(3))
@@ -145,7 +146,8 @@ def test_an_empty_batch_never_replays(decoder, level):
 def test_dynamo_giving_up_is_counted():
     model = Guarded().eval()
     # Dynamo's own dispatch: stored traces (cache_dir) count traces against the same limit.
-    opt = graphopt.optimize(model, graphopt.GraphOptimizationConfig(use_cudagraph=False, cache_dir=None))
+    opt = graphopt.optimize(model, graphopt.GraphOptimizationConfig(
+        graph_opt_level=1, use_cudagraph=False, cache_dir=None))
     name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     x = torch.randn(3, 8)
     with torch.inference_mode(), torch._dynamo.config.patch(**{name: 1}):

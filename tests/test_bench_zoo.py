@@ -42,8 +42,11 @@ def test_a_transformers_model_runs_with_outputs_equal_to_eager_and_says_what_gra
     assert set(rows) == {"eager", "graphopt default"}
     assert all(row.outputs_equal for row in rows.values())
     assert rows["eager"].choice == ""
-    assert rows["graphopt default"].choice.startswith("L1; g0: ")
-    assert "layer_norm" in rows["graphopt default"].choice  # BERT's norms fuse
+    # The defaults are level "auto": each graph names the level it chose.
+    assert rows["graphopt default"].choice.startswith("auto; g0 (level "), rows["graphopt default"].choice
+    # BERT's attention fuses at either level (its norms are fused ops at level 1 only:
+    # at level 2 Inductor generates them)
+    assert "scaled_dot_product_attention" in rows["graphopt default"].choice
 
 
 def test_a_timm_model_runs_with_outputs_equal_to_eager(zoo_run):
@@ -62,7 +65,7 @@ def test_zoo_table_has_a_row_per_model_and_case_with_medians_ratios_and_the_choi
     assert [cells[:2] for cells in table.rows][0] == ["bert", "batch 2"]
     assert len(table.rows) == sum(len(r.cases) for r in zoo_run)
     assert all(cells[4] == "-" for cells in table.rows)  # no torch.compile row to compare with
-    assert all(cells[5].startswith("L1; ") for cells in table.rows)
+    assert all(cells[5].startswith("auto; g0 (level ") for cells in table.rows)
     assert table.mismatched == [False] * len(table.rows)
 
 
@@ -86,18 +89,21 @@ def test_zoo_table_shows_what_level_auto_chose_where_it_ran():
     case = CaseResult("batch 1", "images", 1, rows=[
         Row("eager", True, [300.0] * 3, True, 0.0),
         Row("graphopt default", False, [250.0] * 3, True, 0.0, choice="L1; g0: no fusion"),
-        Row("graphopt auto", False, [150.0] * 3, True, 0.0, choice="Lauto; g0 (level 2 chosen): no fusion")])
+        Row("graphopt auto", False, [150.0] * 3, True, 0.0, choice="auto; g0 (level 2 chosen): no fusion")])
     table = output.zoo_cells([WorkloadResult("zoo-resnet50", "timm resnet50", [case])])
-    assert table.rows[0][-1] == "Lauto; g0 (level 2 chosen): no fusion"
+    assert table.rows[0][-1] == "auto; g0 (level 2 chosen): no fusion"
 
 
 def test_choice_names_the_level_and_each_graphs_fused_ops():
     report = Report(level=1, graphs=[GraphRecord(0, fused_ops={"rms_norm": 9, "attention": 4}), GraphRecord(1)])
     assert zoo.chosen(report) == "L1; g0: attention x4, rms_norm x9; g1: no fusion"
     assert zoo.chosen(Report(level=2)) == "L2; no graph compiled"
-    auto = Report(level="auto", graphs=[GraphRecord(0, fused_ops={"attention": 4}), GraphRecord(1)],
-                  level_choices=[{"graph": 0, "level": 2}])
-    assert zoo.chosen(auto) == "Lauto; g0 (level 2 chosen): attention x4; g1: no fusion"
+    # Two Dynamo graphs under "auto": the first compiled at both levels (records 0 and 1),
+    # the second's level loaded from the compile cache (record 2); only chosen levels show.
+    auto = Report(level="auto", graphs=[GraphRecord(0, level=1, fused_ops={"rms_norm": 2}),
+                                        GraphRecord(1, level=2, fused_ops={"attention": 4}), GraphRecord(2, level=1)],
+                  level_choices=[{"graph": 0, "level": 2}, {"graph": 2, "level": 1, "cached": True}])
+    assert zoo.chosen(auto) == "auto; g0 (level 2 chosen): attention x4; g2 (level 1 chosen): no fusion"
 
 
 def test_zoo_and_models_expand_to_the_zoos_workloads_and_contenders():
@@ -106,7 +112,7 @@ def test_zoo_and_models_expand_to_the_zoos_workloads_and_contenders():
     assert zoo.expand(["resnet"], ["bert"]) == ["resnet", "zoo-bert"]
     assert cli._workloads(None, False, ["llama"]) == ["zoo-llama"]
     assert cli._contenders(None, ["zoo-llama"]) == zoo.CONTENDERS == ["eager", "compile", "compile-max", "default",
-                                                                       "auto", "L2"]
+                                                                       "L1+graphs", "L2"]
     usual = cli._contenders(None, ["resnet", "zoo-llama"])
     assert "compile" in usual and not set(OPT_IN) & set(usual)
     assert cli._contenders(["eager"], ["zoo-llama"]) == ["eager"]

@@ -36,7 +36,7 @@ PROMPTS = torch.randint(500, (3, 6), generator=torch.Generator().manual_seed(0))
 def run(decoder, cache_dir, **config) -> tuple[torch.Tensor, graphopt.Report]:
     """Generate with a fresh optimized step, as a new process would."""
     torch._dynamo.reset()
-    cfg = graphopt.GraphOptimizationConfig(**{"cache_dir": str(cache_dir), "use_cudagraph": False,
+    cfg = graphopt.GraphOptimizationConfig(**{"graph_opt_level": 1, "cache_dir": str(cache_dir), "use_cudagraph": False,
                                               "cache_traces": False, **config})
     step = graphopt.optimize(decoder, cfg, pad_values={"slots": decoder.scratch_slot})
     return generate(decoder, PROMPTS, 6, step=step), step.report()
@@ -69,7 +69,8 @@ def test_a_step_that_records_autograd_keeps_its_backward_out_of_the_cache(tmp_pa
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     for start in range(2):
         torch._dynamo.reset()
-        cfg = graphopt.GraphOptimizationConfig(cache_dir=str(tmp_path), use_cudagraph=False, cache_traces=cache_traces)
+        cfg = graphopt.GraphOptimizationConfig(
+            graph_opt_level=1, cache_dir=str(tmp_path), use_cudagraph=False, cache_traces=cache_traces)
         step = graphopt.optimize(model, cfg)
         for _ in range(2):
             assert_gradients_match(step, model, torch.randn(3, 8))
@@ -78,7 +79,8 @@ def test_a_step_that_records_autograd_keeps_its_backward_out_of_the_cache(tmp_pa
         assert report.fallback_counts[FallbackKind.CACHE_OFF] >= 1
     with torch.no_grad():  # the inference graph of the same step still goes through the cache
         torch._dynamo.reset()
-        step = graphopt.optimize(model, graphopt.GraphOptimizationConfig(cache_dir=str(tmp_path), use_cudagraph=False))
+        step = graphopt.optimize(model, graphopt.GraphOptimizationConfig(
+            graph_opt_level=1, cache_dir=str(tmp_path), use_cudagraph=False))
         x = torch.randn(3, 8)
         torch.testing.assert_close(step(x), model(x))
         assert step.report().cache_misses == 1
@@ -238,18 +240,18 @@ def test_level_2_hit_keeps_the_report(decoder, tmp_path, monkeypatch):
 
 def test_config_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path))
-    assert graphopt.GraphOptimizationConfig().cache_dir == str(tmp_path)
+    assert graphopt.GraphOptimizationConfig(graph_opt_level=1).cache_dir == str(tmp_path)
     monkeypatch.setenv("GRAPHOPT_CACHE_DIR", "")
-    assert graphopt.GraphOptimizationConfig().cache_dir is None
+    assert graphopt.GraphOptimizationConfig(graph_opt_level=1).cache_dir is None
     monkeypatch.delenv("GRAPHOPT_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert graphopt.GraphOptimizationConfig().cache_dir == os.path.join(str(tmp_path), "graphopt")
-    assert graphopt.GraphOptimizationConfig(cache_dir=tmp_path).cache_dir == str(tmp_path)
+    assert graphopt.GraphOptimizationConfig(graph_opt_level=1).cache_dir == os.path.join(str(tmp_path), "graphopt")
+    assert graphopt.GraphOptimizationConfig(graph_opt_level=1, cache_dir=tmp_path).cache_dir == str(tmp_path)
     (tmp_path / "f").write_text("")
     with pytest.raises(ValueError, match="cache_dir must be a directory path .* which is a file"):
-        graphopt.GraphOptimizationConfig(cache_dir=str(tmp_path / "f"))
+        graphopt.GraphOptimizationConfig(graph_opt_level=1, cache_dir=str(tmp_path / "f"))
     with pytest.raises(TypeError, match="cache_dir must be a directory path"):
-        graphopt.GraphOptimizationConfig(cache_dir=3)
+        graphopt.GraphOptimizationConfig(graph_opt_level=1, cache_dir=3)
 
 
 def test_subgraph_attributes_are_in_the_key_and_never_stored():
@@ -294,7 +296,7 @@ PATTERN_CHILD = textwrap.dedent('''
         return x * torch.sigmoid(x) + 1
 
     opt = graphopt.optimize(step, graphopt.GraphOptimizationConfig(
-        cache_dir=cache_dir, use_cudagraph=False, cache_traces=traces == "traces"))
+        graph_opt_level=1, cache_dir=cache_dir, use_cudagraph=False, cache_traces=traces == "traces"))
     x = torch.randn(4, 8)
     torch.testing.assert_close(opt(x), step(x))
     report = opt.report()

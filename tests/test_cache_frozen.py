@@ -30,7 +30,7 @@ PROMPTS = torch.randint(500, (3, 6), generator=torch.Generator().manual_seed(0))
 
 def start(model, cache_dir, **config):
     torch._dynamo.reset()
-    cfg = graphopt.GraphOptimizationConfig(**{"cache_dir": str(cache_dir), "use_cudagraph": False,
+    cfg = graphopt.GraphOptimizationConfig(**{"graph_opt_level": 1, "cache_dir": str(cache_dir), "use_cudagraph": False,
                                               "freeze_parameters": True, **config})
     return graphopt.optimize(model, cfg, pad_values={"slots": model.scratch_slot} if hasattr(model, "scratch_slot")
                              else None)
@@ -134,7 +134,8 @@ CHILD = textwrap.dedent('''
     torch.manual_seed(0)
     decoder = Decoder(DecoderConfig.tiny()).eval()
     prompts = torch.randint(500, (3, 6), generator=torch.Generator().manual_seed(0))
-    cfg = graphopt.GraphOptimizationConfig(cache_dir=sys.argv[1], use_cudagraph=False, freeze_parameters=True)
+    cfg = graphopt.GraphOptimizationConfig(graph_opt_level=1, cache_dir=sys.argv[1], use_cudagraph=False,
+                                           freeze_parameters=True)
     step = graphopt.optimize(decoder, cfg, pad_values={"slots": decoder.scratch_slot})
     tokens = generate(decoder, prompts, 6, step=step)
     print(json.dumps({"same": torch.equal(tokens, generate(decoder, prompts, 6)),

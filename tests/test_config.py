@@ -20,7 +20,7 @@ SIZES_256 = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 1
 
 def test_defaults():
     cfg = GraphOptimizationConfig()
-    assert cfg.graph_opt_level == 1
+    assert cfg.graph_opt_level == "auto"
     assert cfg.use_cudagraph is True
     assert cfg.max_num_seqs == 256
     assert cfg.cudagraph_num_of_warmups == 1

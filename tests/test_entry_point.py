@@ -19,7 +19,7 @@ TORCH_COMPILE = """
 import sys, torch
 model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).eval()
 assert "graphopt" not in sys.modules
-compiled = torch.compile(model, backend="graphopt", options={"use_cudagraph": False})
+compiled = torch.compile(model, backend="graphopt", options={"graph_opt_level": 1, "use_cudagraph": False})
 with torch.inference_mode():
     x = torch.randn(3, 8)
     torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
@@ -38,7 +38,8 @@ def tiny():
 eager, model = tiny(), tiny()
 # Without host graphs: the entry point is what is tested here, and test_hf_generate
 # captures them through generate() already, at half this process's time.
-config = transformers.CompileConfig(backend="graphopt", mode=None, options={"use_cudagraph": False})
+config = transformers.CompileConfig(backend="graphopt", mode=None,
+                                    options={"graph_opt_level": 1, "use_cudagraph": False})
 config._compile_all_devices = True  # transformers compiles only on accelerators otherwise
 ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(0))
 kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False,

@@ -157,12 +157,12 @@ def test_a_failed_export_is_a_logged_fallback(caplog):
 ])
 def test_bad_executors_are_named(value, error, message):
     with pytest.raises(error, match=message):
-        graphopt.GraphOptimizationConfig(freeze_parameters=True, executors=value)
+        graphopt.GraphOptimizationConfig(graph_opt_level=1, freeze_parameters=True, executors=value)
 
 
 def test_executors_need_frozen_weights():
     with pytest.raises(ValueError, match="it needs freeze_parameters=True"):
-        graphopt.GraphOptimizationConfig(executors=["onnxruntime"])
+        graphopt.GraphOptimizationConfig(graph_opt_level=1, executors=["onnxruntime"])
 
 
 def test_openvino_runs_a_graph_with_eager_outputs(engine_wins):

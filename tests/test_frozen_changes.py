@@ -151,14 +151,16 @@ def test_level_2_reassigned_weight():
 def test_the_report_notes_a_graph_that_could_have_been_frozen():
     model = Scaled().eval()
     torch._dynamo.reset()
-    step = graphopt.optimize(model, graphopt.GraphOptimizationConfig(cache_dir=None, use_cudagraph=False))
+    step = graphopt.optimize(model, graphopt.GraphOptimizationConfig(
+        graph_opt_level=1, cache_dir=None, use_cudagraph=False))
     assert_like_eager(step, model)  # under no_grad: inference
     notes = [n for n in step.report().notes if n.startswith("freeze_parameters=False")]
     assert len(notes) == 1 and "would fold and pack them" in notes[0] and "notes:" in str(step.report())
     assert not step._step.backend.frozen_watches
 
     torch._dynamo.reset()
-    training = graphopt.optimize(model, graphopt.GraphOptimizationConfig(cache_dir=None, use_cudagraph=False))
+    training = graphopt.optimize(model, graphopt.GraphOptimizationConfig(
+        graph_opt_level=1, cache_dir=None, use_cudagraph=False))
     training(*inputs())[0].sum().backward()  # records autograd: freezing would not apply
     assert not any(n.startswith("freeze_parameters=False") for n in training.report().notes)
 
@@ -181,7 +183,7 @@ def test_a_module_built_inside_a_compiled_forward_does_not_recompile_it():
     with torch.no_grad():
         frozen(*inputs())
         model = Sliced().eval()
-        step = graphopt.optimize(model, graphopt.GraphOptimizationConfig(use_cudagraph=False))
+        step = graphopt.optimize(model, graphopt.GraphOptimizationConfig(graph_opt_level=1, use_cudagraph=False))
         x, (atol, rtol) = inputs()[0], tolerance(torch.float32)
         for _ in range(3):
             torch.testing.assert_close(step(x), model(x), atol=atol, rtol=rtol)

@@ -13,6 +13,7 @@ from graphopt.api.guards import keep_input_guards
 def optimized(guards, **kw):
     torch.manual_seed(0)
     model = Switch().eval()
+    kw.setdefault("graph_opt_level", 1)
     config = graphopt.GraphOptimizationConfig(guards=guards, max_num_seqs=8, cache_dir=None, **kw)
     return model, graphopt.optimize(model, config)
 
@@ -76,7 +77,8 @@ def test_the_filter_keeps_argument_and_global_state_guards_only():
 
 
 def test_a_backend_given_to_torch_compile_cannot_filter_and_says_so():
-    backend = graphopt.Backend(graphopt.GraphOptimizationConfig(guards="inputs", use_cudagraph=False, cache_dir=None))
+    backend = graphopt.Backend(graphopt.GraphOptimizationConfig(
+        graph_opt_level=1, guards="inputs", use_cudagraph=False, cache_dir=None))
     torch.compile(Switch(), backend=backend)(torch.randn(4, 8))
     reasons = backend.report().reasons(FallbackKind.GUARDS)
     assert reasons and "guard_filter_fn" in reasons[0]  # the message users read: it names the fix
@@ -84,9 +86,9 @@ def test_a_backend_given_to_torch_compile_cannot_filter_and_says_so():
 
 def test_unknown_guards_value_names_the_choices():
     with pytest.raises(ValueError, match="guards must be one of 'all', 'inputs'"):
-        graphopt.GraphOptimizationConfig(guards="none")
+        graphopt.GraphOptimizationConfig(graph_opt_level=1, guards="none")
     with pytest.raises(TypeError, match="guards must be"):
-        graphopt.GraphOptimizationConfig(guards=True)
+        graphopt.GraphOptimizationConfig(graph_opt_level=1, guards=True)
 
 
 def test_generate_with_inputs_gives_eager_tokens_over_new_caches_and_batches():
@@ -99,7 +101,7 @@ def test_generate_with_inputs_gives_eager_tokens_over_new_caches_and_batches():
     eager = transformers.LlamaForCausalLM(config).eval()
     model = transformers.LlamaForCausalLM(config).eval()
     model.load_state_dict(eager.state_dict())
-    model.forward = graphopt.optimize(model.forward, graphopt.GraphOptimizationConfig(
+    model.forward = graphopt.optimize(model.forward, graphopt.GraphOptimizationConfig(graph_opt_level=1,
         guards="inputs", max_num_seqs=4, cache_dir=None))
 
     def generate(m, ids):

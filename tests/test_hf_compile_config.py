@@ -19,7 +19,12 @@ transformers = pytest.importorskip("transformers")
 
 
 def _compile_config(backend) -> "transformers.CompileConfig":
-    config = transformers.CompileConfig(backend=backend)
+    """By name, level 1 through `options` (torch.compile takes a mode or options, not both);
+    a Backend object carries its own config and takes CompileConfig's mode, "reduce-overhead"."""
+    if backend == "graphopt":
+        config = transformers.CompileConfig(backend=backend, mode=None, options={"graph_opt_level": 1})
+    else:
+        config = transformers.CompileConfig(backend=backend)
     config._compile_all_devices = True  # compile on the CPU too
     return config
 
@@ -37,7 +42,8 @@ def test_generate_with_compile_config_gives_eager_tokens_and_replays(name: str, 
     torch._dynamo.reset()
     eager, model = twins(name)
     earlier = graphopt.backends()  # held: the registry lists live Backends only
-    backend = "graphopt" if way == "name" else graphopt.Backend(graphopt.GraphOptimizationConfig(max_num_seqs=4))
+    backend = "graphopt" if way == "name" else graphopt.Backend(graphopt.GraphOptimizationConfig(
+        graph_opt_level=1, max_num_seqs=4))
 
     def report() -> graphopt.Report:
         if way == "object":

@@ -12,6 +12,7 @@ import graphopt
 def run(policy, **kw):
     torch.manual_seed(0)
     model = Switch().eval()
+    kw.setdefault("graph_opt_level", 1)
     opt = graphopt.optimize(model, graphopt.GraphOptimizationConfig(on_recompile=policy, max_num_seqs=8, **kw))
     with torch.no_grad():
         for batch in (4, 3, 1, 4):  # batch 1's own graph (0/1 specialisation) is never refused
@@ -75,7 +76,8 @@ def test_error_reads_the_value_of_a_global_item(monkeypatch):
     """The value is read by walking the guard's source (a global, an item), never by
     evaluating its text."""
     monkeypatch.setitem(MODES, "act", "relu")
-    opt = graphopt.optimize(GlobalSwitch().eval(), graphopt.GraphOptimizationConfig(on_recompile="error"))
+    opt = graphopt.optimize(GlobalSwitch().eval(), graphopt.GraphOptimizationConfig(
+        graph_opt_level=1, on_recompile="error"))
     with torch.no_grad():
         opt(torch.randn(4, 8))
         MODES["act"] = "tanh"
@@ -86,4 +88,4 @@ def test_error_reads_the_value_of_a_global_item(monkeypatch):
 
 def test_on_recompile_is_validated():
     with pytest.raises(ValueError, match="on_recompile must be one of 'recompile', 'warn', 'error'"):
-        graphopt.GraphOptimizationConfig(on_recompile="fail")
+        graphopt.GraphOptimizationConfig(graph_opt_level=1, on_recompile="fail")

@@ -15,7 +15,7 @@ from graphopt.backend.backend import RECOMPILE_BUDGET
 from graphopt.config import tolerance
 
 ATOL, RTOL = tolerance(torch.float32)
-OPTIONS = {"use_cudagraph": False}
+OPTIONS = {"graph_opt_level": 1, "use_cudagraph": False}
 
 
 class _Model(torch.nn.Module):

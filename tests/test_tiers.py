@@ -124,10 +124,11 @@ class MLP(torch.nn.Module):
         return self.down(torch.nn.functional.gelu(self.up(x))).softmax(-1)
 
 
-def test_auto_chooses_a_level_and_a_later_process_compiles_only_that_one(tmp_path):
+def test_auto_is_the_default_chooses_a_level_and_a_later_process_compiles_only_that_one(tmp_path):
     torch.manual_seed(0)
     model, x = MLP().eval(), torch.randn(4, 32)
-    config = graphopt.GraphOptimizationConfig(graph_opt_level="auto", cache_dir=str(tmp_path), max_num_seqs=4)
+    config = graphopt.GraphOptimizationConfig(cache_dir=str(tmp_path), max_num_seqs=4)
+    assert config.graph_opt_level == "auto"
     with torch.no_grad():
         expected = model(x)
         first = graphopt.optimize(model, config)
@@ -142,12 +143,54 @@ def test_auto_chooses_a_level_and_a_later_process_compiles_only_that_one(tmp_pat
         assert choice["level"] in (1, 2) and set(choice["seconds"]) == {"1", "2"}
         assert f"level of graph 0: {choice['level']} (" in str(report)
 
+        torch._dynamo.reset()
         later = graphopt.optimize(model, config)
-        torch.testing.assert_close(later(x), expected, atol=atol, rtol=rtol)
+        torch.testing.assert_close(later(x.clone()), expected, atol=atol, rtol=rtol)
     [again] = later.report().level_choices
     assert again["cached"] and again["level"] == choice["level"]
     assert len(later.report().graphs) == 1
     assert "chosen in an earlier process" in str(later.report())
+    # The first process stored no trace (its level was not chosen yet), and says so in a
+    # note, not a fallback; the later one compiled the chosen level, so its trace names
+    # it, and a third process runs that trace.
+    assert (first.report().traces_stored, later.report().traces_stored) == (0, 1)
+    assert not first.report().fallbacks and any("trace is stored by" in n for n in first.report().notes)
+    torch._dynamo.reset()
+    third = graphopt.optimize(model, config)
+    with torch.no_grad():  # a new tensor, as a new process has: Dynamo's marks on x would fail the guards
+        torch.testing.assert_close(third(x.clone()), expected, atol=atol, rtol=rtol)
+    assert (third.report().traces_used, third.report().traces_stored) == (1, 0)
+
+
+def test_with_lowered_precision_a_level_is_held_to_precision_tolerance_not_float32s():
+    """compute_dtype and weight_quantization move outputs by more than float32's
+    tolerances, by design: each level's error was measured and bounded when it compiled,
+    so the choice compares against precision_tolerance instead."""
+    clock, state = FakeClock(), torch.zeros(3)
+    x = torch.tensor([1.0, 2.0, 4.0])
+    near = fake_runtime(clock, 1e-3, state, result=x * 2 * 1.01)   # 1% off: bfloat16's error
+    far = fake_runtime(clock, 1e-4, state, result=x * 2 * 1.2)     # 20% off
+    for bound, chosen in [(None, None), (0.05, 1)]:
+        report, received = Report("auto"), []
+        runtimes = {1: near, 2: far}
+        choice = tiers.LevelChoice(runtimes, lambda x, s: (x * 2,), [1], {"graph": 0}, report, received.append,
+                                   clock=clock, bound=bound)
+        choice(x, state)
+        if chosen is None:  # float32's tolerances: neither is eager's, so eager serves
+            assert received[0]["level"] == 0 and report.fallback_counts == {FallbackKind.LEVEL: 2}
+        else:
+            assert received[0]["level"] == 1 and report.fallback_counts == {FallbackKind.LEVEL: 1}
+            assert "has an error of 0.2 of an output's largest magnitude against eager's, over " \
+                   "precision_tolerance=0.05; it is not a candidate" in next(iter(report.fallbacks))
+
+
+def test_the_precision_bound_follows_the_config():
+    config = graphopt.GraphOptimizationConfig
+    assert tiers.precision_bound(config()) is None
+    assert tiers.precision_bound(config(compute_dtype="bfloat16")) == 0.05
+    assert tiers.precision_bound(config(freeze_parameters=True, weight_quantization="int8",
+                                        precision_tolerance=0.1)) == 0.1
+    assert tiers.precision_bound(config(compute_dtype="bfloat16", precision_tolerance=None)) == float("inf")
 
 
 def test_auto_is_a_level_the_config_accepts():

@@ -33,7 +33,8 @@ PROMPTS = torch.randint(500, (3, 6), generator=torch.Generator().manual_seed(0))
 def start(model, cache_dir, **config):
     """A fresh optimized step over `model`, as a new process would build it."""
     torch._dynamo.reset()
-    cfg = graphopt.GraphOptimizationConfig(**{"cache_dir": str(cache_dir), "use_cudagraph": False, **config})
+    cfg = graphopt.GraphOptimizationConfig(**{"graph_opt_level": 1, "cache_dir": str(cache_dir), "use_cudagraph": False,
+                                              **config})
     return graphopt.optimize(model, cfg, pad_values={"slots": model.scratch_slot})
 
 
@@ -130,7 +131,7 @@ def test_an_edited_source_is_traced_again(tmp_path, monkeypatch):
     module = importlib.import_module("edited_model")
     torch.manual_seed(0)
     model, x = module.Model(), torch.randn(4, 8)
-    cfg = graphopt.GraphOptimizationConfig(cache_dir=str(tmp_path / "cache"), use_cudagraph=False)
+    cfg = graphopt.GraphOptimizationConfig(graph_opt_level=1, cache_dir=str(tmp_path / "cache"), use_cudagraph=False)
     torch._dynamo.reset()
     with torch.no_grad():
         graphopt.optimize(model, cfg)(x)
@@ -157,7 +158,7 @@ def test_a_rebound_module_global_is_never_read_stale(tmp_path, monkeypatch):
     """Where this torch checks a loaded trace's global guards against the module
     itself, the trace is stored and a rebind is seen; where it would check a copy,
     the trace is not stored at all."""
-    cfg = graphopt.GraphOptimizationConfig(cache_dir=str(tmp_path), use_cudagraph=False)
+    cfg = graphopt.GraphOptimizationConfig(graph_opt_level=1, cache_dir=str(tmp_path), use_cudagraph=False)
     x = torch.randn(4, 3)
     torch._dynamo.reset()
     first = graphopt.optimize(scaled, cfg)
@@ -200,7 +201,7 @@ def test_a_decorated_forward_is_stored_and_checks_the_function_it_wraps(tmp_path
     function is refused, not run stale."""
     torch.manual_seed(0)
     model, x = Decorated().eval(), torch.randn(4, 8)
-    cfg = graphopt.GraphOptimizationConfig(cache_dir=str(tmp_path), use_cudagraph=False)
+    cfg = graphopt.GraphOptimizationConfig(graph_opt_level=1, cache_dir=str(tmp_path), use_cudagraph=False)
     torch._dynamo.reset()
     first = graphopt.optimize(model, cfg)
     with torch.no_grad():
@@ -306,7 +307,7 @@ def test_cache_traces_off_stores_graphs_only(decoder, tmp_path):
     assert step.report().traces_stored == 0
     assert len(entries(tmp_path)) == 1
     with pytest.raises(TypeError, match="cache_traces must be a bool"):
-        graphopt.GraphOptimizationConfig(cache_traces="yes")
+        graphopt.GraphOptimizationConfig(graph_opt_level=1, cache_traces="yes")
 
 
 def test_identity_names_objects_by_what_they_are():
@@ -323,7 +324,7 @@ CHILD = textwrap.dedent('''
     from graphopt.models import Decoder, DecoderConfig, generate
     torch.manual_seed(0)
     model = Decoder(DecoderConfig.tiny()).eval()
-    cfg = graphopt.GraphOptimizationConfig(cache_dir=sys.argv[1], use_cudagraph=False)
+    cfg = graphopt.GraphOptimizationConfig(graph_opt_level=1, cache_dir=sys.argv[1], use_cudagraph=False)
     step = graphopt.optimize(model, cfg)
     tokens = generate(model, torch.randint(500, (3, 6), generator=torch.Generator().manual_seed(0)), 4, step=step)
     traced = sum(graph.traced for graph in step.report().graphs)
@@ -365,7 +366,7 @@ def test_a_trace_made_in_inference_mode_keeps_the_batch_dynamic(tmp_path):
     trace serves every batch size."""
     torch.manual_seed(0)
     model = Patches().eval()
-    cfg = graphopt.GraphOptimizationConfig(cache_dir=str(tmp_path), cudagraph_capture_sizes=[2, 4],
+    cfg = graphopt.GraphOptimizationConfig(graph_opt_level=1, cache_dir=str(tmp_path), cudagraph_capture_sizes=[2, 4],
                                            cudagraph_num_of_warmups=1)
     step = graphopt.optimize(model, cfg)
     with torch.inference_mode():
@@ -385,7 +386,8 @@ def weighted(x: torch.Tensor) -> torch.Tensor:
 def test_the_trace_reads_module_globals_as_they_are_now(tmp_path, monkeypatch):
     """A global tensor rebound to one of the same shape passes every guard: the
     trace must read the new one, as the function itself would."""
-    step = graphopt.optimize(weighted, graphopt.GraphOptimizationConfig(cache_dir=str(tmp_path), use_cudagraph=False))
+    step = graphopt.optimize(weighted, graphopt.GraphOptimizationConfig(
+        graph_opt_level=1, cache_dir=str(tmp_path), use_cudagraph=False))
     x = torch.randn(2, 3)
     torch.testing.assert_close(step(x), x)
     monkeypatch.setattr(sys.modules[__name__], "WEIGHT", torch.full((3,), 2.0))

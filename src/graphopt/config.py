@@ -107,7 +107,8 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
 class GraphOptimizationConfig:
     """How graphopt optimizes and replays a model. See DESIGN.md for the vocabulary."""
 
-    graph_opt_level: int | str = 1
+    # "auto": each graph runs the faster of levels 1 and 2, by measurement (backend/tiers.py).
+    graph_opt_level: int | str = AUTO_LEVEL
     use_cudagraph: bool = True
     # Resolved in __post_init__: a sorted list without duplicates afterwards, or "auto".
     cudagraph_capture_sizes: list[int] | str | None = None
@@ -157,7 +158,7 @@ class GraphOptimizationConfig:
     # With compute_dtype: the largest error allowed, as a fraction of the output's largest
     # magnitude, measured at compile time; past it the graph keeps full precision. None: no bound.
     precision_tolerance: float | None = 0.05
-    # "int8": linears' frozen weights in int8, a scale per output channel (passes/quantize.py), level 1 or 2.
+    # "int8": linears' frozen weights in int8, a scale per output channel (passes/quantize.py), level 1, 2 or auto.
     weight_quantization: str | None = None
     # With compute_dtype or weight_quantization, for a causal LM: how many positions of each
     # sequence the greedy-token agreement with full precision compares (reported, not bounded).
@@ -180,9 +181,9 @@ class GraphOptimizationConfig:
         check_choice("compute_dtype", self.compute_dtype, COMPUTE_DTYPES, optional=True)
         check_tolerance("precision_tolerance", self.precision_tolerance)
         check_choice("weight_quantization", self.weight_quantization, WEIGHT_QUANTIZATIONS, optional=True)
-        if self.weight_quantization is not None and (not self.freeze_parameters or self.graph_opt_level not in (1, 2)):
+        if self.weight_quantization is not None and (not self.freeze_parameters or self.graph_opt_level == 0):
             raise ValueError(f"weight_quantization={self.weight_quantization!r} quantizes frozen weights at compile "
-                             "time, at level 1 or 2: it needs freeze_parameters=True and graph_opt_level=1 or 2")
+                             "time, at level 1, 2 or 'auto': it needs freeze_parameters=True and a level above 0")
         check_int("token_agreement_steps", self.token_agreement_steps, minimum=1)
         check_int("cudagraph_num_of_warmups", self.cudagraph_num_of_warmups, minimum=0)
         check_choice("cudagraph_mode", self.cudagraph_mode, CUDAGRAPH_MODES, optional=True)

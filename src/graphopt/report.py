@@ -65,6 +65,7 @@ class GraphRecord:
     a specialised batch size 1)."""
 
     index: int
+    level: int = 1            # the level it was compiled at (with graph_opt_level="auto", one record per level)
     nodes_before: int = 0
     nodes_after: int = 0
     compile_seconds: float = 0.0
@@ -76,7 +77,7 @@ class GraphRecord:
     precision: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "nodes_before": self.nodes_before,
+        return {"index": self.index, "level": self.level, "nodes_before": self.nodes_before,
                 "nodes_after": self.nodes_after, "compile_seconds": round(self.compile_seconds, 3),
                 "fused_ops": dict(self.fused_ops), "cache_hit": self.cache_hit, "traced": self.traced,
                 "gemms": dict(self.gemms), "precision": dict(self.precision)}
@@ -306,7 +307,8 @@ class Report:
             if g.cache_hit:
                 how = "loaded from the compile cache in" if g.traced else \
                     "loaded from the compile cache with its stored Dynamo trace in"
-            lines.append(f"  graph {g.index}: {g.nodes_before} -> {g.nodes_after} nodes, "
+            level = f" (level {g.level})" if self.level == "auto" else ""
+            lines.append(f"  graph {g.index}{level}: {g.nodes_before} -> {g.nodes_after} nodes, "
                          f"{how} {g.compile_seconds:.2f}s")
             if g.fused_ops:
                 lines.append("    fused ops: " + ", ".join(f"{k}={v}" for k, v in g.fused_ops.items()))

@@ -141,7 +141,7 @@ def test_disabled_passes_turns_it_off():
 
 
 def test_without_compute_dtype_the_pipeline_is_unchanged():
-    opt = graphopt.optimize(MLP().eval(), graphopt.GraphOptimizationConfig(use_cudagraph=False))
+    opt = graphopt.optimize(MLP().eval(), graphopt.GraphOptimizationConfig(graph_opt_level=1, use_cudagraph=False))
     with torch.no_grad():
         opt(torch.randn(8, 64))
     assert [p.name for p in opt.report().passes] == manager.PIPELINES[1]
@@ -210,6 +210,7 @@ def test_every_lowered_op_has_a_reason():
 
 
 def quantized(model, **config):
+    config = {"graph_opt_level": 1, **config}
     return graphopt.optimize(model, graphopt.GraphOptimizationConfig(
         use_cudagraph=False, freeze_parameters=True, weight_quantization="int8", **config))
 
@@ -282,10 +283,10 @@ def test_decoder_step_with_int8_weights(decoder):
 @pytest.mark.parametrize("changes, error, message", [
     ({"weight_quantization": "int4"}, ValueError, "weight_quantization must be one of 'int8' or null, got 'int4'"),
     ({"weight_quantization": "int8"}, ValueError, "weight_quantization='int8' quantizes frozen weights at compile "
-                                                  "time, at level 1 or 2: it needs freeze_parameters=True and "
-                                                  "graph_opt_level=1 or 2"),
+                                                  "time, at level 1, 2 or 'auto': it needs freeze_parameters=True "
+                                                  "and a level above 0"),
     ({"weight_quantization": "int8", "freeze_parameters": True, "graph_opt_level": 0}, ValueError,
-     "it needs freeze_parameters=True and graph_opt_level=1 or 2"),
+     "it needs freeze_parameters=True and a level above 0"),
     ({"compute_dtype": "float16"}, ValueError, "compute_dtype must be one of 'bfloat16' or null, got 'float16'"),
     ({"compute_dtype": torch.bfloat16}, TypeError, "compute_dtype must be one of 'bfloat16' or null, got "),
     ({"precision_tolerance": 0}, ValueError, "precision_tolerance must be a number > 0 (a fraction of the output's "

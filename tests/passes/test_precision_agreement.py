@@ -21,6 +21,7 @@ def native_bf16(monkeypatch):
 
 
 def optimized(model, **config):
+    config = {"graph_opt_level": 1, **config}
     return graphopt.optimize(model, graphopt.GraphOptimizationConfig(use_cudagraph=False, **config))
 
 
@@ -106,4 +107,4 @@ def test_a_graph_without_logits_reports_no_agreement():
 @pytest.mark.parametrize("steps", [0, -1])
 def test_the_steps_must_be_positive(steps):
     with pytest.raises(ValueError, match=re.escape(f"token_agreement_steps must be an int >= 1, got {steps}")):
-        graphopt.GraphOptimizationConfig(token_agreement_steps=steps)
+        graphopt.GraphOptimizationConfig(graph_opt_level=1, token_agreement_steps=steps)

@@ -25,6 +25,7 @@ class MLP(torch.nn.Module):
 
 
 def auto(**kw):
+    kw.setdefault("graph_opt_level", 1)
     kw.setdefault("cudagraph_capture_sizes", "auto")
     kw.setdefault("capture_replan_interval", 8)
     kw.setdefault("max_num_seqs", 32)
@@ -135,13 +136,13 @@ def test_auto_replays_a_trace_with_recurring_bursts():
 def test_config_keys_are_validated(bad, error):
     with pytest.raises(error, match="capture_replan_interval|cudagraph_capture_sizes"):
         if isinstance(bad, str):
-            graphopt.GraphOptimizationConfig(cudagraph_capture_sizes=bad)
+            graphopt.GraphOptimizationConfig(graph_opt_level=1, cudagraph_capture_sizes=bad)
         else:
-            graphopt.GraphOptimizationConfig(capture_replan_interval=bad)
+            graphopt.GraphOptimizationConfig(graph_opt_level=1, capture_replan_interval=bad)
     with pytest.raises(ValueError, match="graph_memory_budget must be an int number of bytes >= 0"):
-        graphopt.GraphOptimizationConfig(graph_memory_budget=-1)
+        graphopt.GraphOptimizationConfig(graph_opt_level=1, graph_memory_budget=-1)
     with pytest.raises(TypeError, match="graph_memory_budget"):
-        graphopt.GraphOptimizationConfig(graph_memory_budget=1.0)
+        graphopt.GraphOptimizationConfig(graph_opt_level=1, graph_memory_budget=1.0)
     config = graphopt.GraphOptimizationConfig.from_json(
         '{"cudagraph_capture_sizes": "auto", "graph_memory_budget": 1024, "capture_replan_interval": 4}')
     assert config.auto_capture_sizes and config.largest_capture_size() == config.max_num_seqs
@@ -209,14 +210,15 @@ def test_a_budget_refuses_a_capture_past_it_and_the_pool_never_grows_past_it():
     torch.manual_seed(0)
     model = MLP().eval()
     sizes = [2, 8, 32]
-    roomy = graphopt.optimize(model, graphopt.GraphOptimizationConfig(cudagraph_capture_sizes=sizes, cache_dir=None,
+    roomy = graphopt.optimize(model, graphopt.GraphOptimizationConfig(
+        graph_opt_level=1, cudagraph_capture_sizes=sizes, cache_dir=None,
                                                                       cudagraph_num_of_warmups=1))
     feed(roomy, model, [2, 2, 2, 32, 32, 32])
     small_pool = roomy.report().captures[0].nbytes
     budget = roomy.report().pool_bytes // 2
     assert small_pool <= budget
     torch._dynamo.reset()
-    tight = graphopt.optimize(model, graphopt.GraphOptimizationConfig(
+    tight = graphopt.optimize(model, graphopt.GraphOptimizationConfig(graph_opt_level=1,
         cudagraph_capture_sizes=sizes, cache_dir=None, cudagraph_num_of_warmups=1, graph_memory_budget=budget))
     feed(tight, model, [2, 2, 2, 32, 32, 32, 32, 2])  # outputs stay eager's throughout
     report = tight.report()

@@ -82,7 +82,8 @@ def test_generate_called_again_keeps_the_earlier_results():
     from test_hf_generate import generate, prompt, twins
 
     eager, model = twins("llama")
-    model.forward = graphopt.optimize(model.forward, graphopt.GraphOptimizationConfig(max_num_seqs=4))
+    model.forward = graphopt.optimize(model.forward, graphopt.GraphOptimizationConfig(
+        graph_opt_level=1, max_num_seqs=4))
 
     def calls(m):  # two warm-ups, the capture, a replay (cudagraph_num_of_warmups=2)
         return [generate(m, prompt(1).roll(shift, 1), return_dict_in_generate=True, output_logits=True)

@@ -9,6 +9,7 @@ from graphopt import FallbackKind
 
 
 def config(**kw):
+    kw.setdefault("graph_opt_level", 1)
     kw.setdefault("cudagraph_capture_sizes", [2, 4])
     kw.setdefault("cudagraph_num_of_warmups", 1)
     return graphopt.GraphOptimizationConfig(**kw)
@@ -74,6 +75,6 @@ def test_cudagraph_mode_none_runs_no_device_graph():
 
 def test_splitting_ops_are_validated():
     with pytest.raises(ValueError, match="'aten.no_such_op' at index 0 is not an ATen op"):
-        graphopt.GraphOptimizationConfig(cudagraph_splitting_ops=["aten.no_such_op"])
+        graphopt.GraphOptimizationConfig(graph_opt_level=1, cudagraph_splitting_ops=["aten.no_such_op"])
     with pytest.raises(ValueError, match="cudagraph_mode must be one of 'none', 'piecewise', 'full' or null"):
-        graphopt.GraphOptimizationConfig(cudagraph_mode="partial")
+        graphopt.GraphOptimizationConfig(graph_opt_level=1, cudagraph_mode="partial")

@@ -23,7 +23,8 @@ def graph(nbytes: int) -> SimpleNamespace:
 
 def share(budget: int | None, report: Report, name: str = "graph 0") -> PoolShare:
     """A share whose graphs each have a pool of their own, so bytes are the graphs' own."""
-    config = graphopt.GraphOptimizationConfig(graph_memory_budget=budget, reuse_pool_in_same_graph=False)
+    config = graphopt.GraphOptimizationConfig(
+        graph_opt_level=1, graph_memory_budget=budget, reuse_pool_in_same_graph=False)
     return PoolShare(Pool(config), config, report, name)
 
 

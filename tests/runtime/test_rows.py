@@ -202,8 +202,8 @@ def test_a_table_beside_the_batch_is_not_taken_for_it() -> None:
 
 def test_rowwise_ops_must_name_ops() -> None:
     with pytest.raises(ValueError, match="rowwise_ops must be a list of op names"):
-        graphopt.GraphOptimizationConfig(rowwise_ops=["not an op"])
-    assert graphopt.GraphOptimizationConfig(rowwise_ops=["mylib::op"]).rowwise_ops == ["mylib.op"]
+        graphopt.GraphOptimizationConfig(graph_opt_level=1, rowwise_ops=["not an op"])
+    assert graphopt.GraphOptimizationConfig(graph_opt_level=1, rowwise_ops=["mylib::op"]).rowwise_ops == ["mylib.op"]
 
 
 class Experts(torch.nn.Module):

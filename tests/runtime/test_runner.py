@@ -331,7 +331,7 @@ def test_capture_all_needs_inputs_once():
     with pytest.raises(ValueError, match="capture_all\\(\\) needs example inputs"):
         opt.capture_all()
     with pytest.raises(RuntimeError, match="needs use_cudagraph=True"):
-        graphopt.optimize(model, graphopt.GraphOptimizationConfig(use_cudagraph=False)).capture_all()
+        graphopt.optimize(model, graphopt.GraphOptimizationConfig(graph_opt_level=1, use_cudagraph=False)).capture_all()
 
 
 def test_out_of_range_dynamic_dim_is_an_error_with_device_graphs_too():

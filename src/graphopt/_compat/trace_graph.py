@@ -44,6 +44,11 @@ class NotSerializable(Exception):
     """A trace whose graph a later process could not build again."""
 
 
+class NotChosenYet(NotSerializable):
+    """A trace whose graph's level (graph_opt_level="auto") is chosen after the trace is
+    stored: a later process, which loads the choice, stores it."""
+
+
 def _serializable_base() -> type:
     from torch._dynamo.aot_compile_types import SerializableCallable
 
@@ -55,10 +60,11 @@ class TraceGraph(_serializable_base() if unsupported() is None else object):  # 
     `spec` (picklable) saying how a later process builds it again, or None with the
     reason in `why`. A loaded trace gets its target from `bind()`."""
 
-    def __init__(self, spec: Any, target: Callable | None = None, why: str | None = None):
+    def __init__(self, spec: Any, target: Callable | None = None, why: str | None = None, chosen: bool = True):
         self.spec = spec
         self.target = target
         self.why = why
+        self.chosen = chosen
 
     def bind(self, target: Callable) -> None:
         self.target = target
@@ -69,7 +75,7 @@ class TraceGraph(_serializable_base() if unsupported() is None else object):  # 
     @classmethod
     def serialize_compile_artifacts(cls, fn: TraceGraph) -> bytes:
         if fn.spec is None:
-            raise NotSerializable(fn.why)
+            raise (NotSerializable if fn.chosen else NotChosenYet)(fn.why)
         return pickle.dumps(fn.spec)
 
     @classmethod

@@ -61,9 +61,10 @@ class Step:
         # on_recompile "warn" / "error" need Dynamo's guards to say what failed, and torch cannot
         # store a trace whose guards were filtered where it guards a module's key order: no
         # stored traces then.
-        # With "auto", a graph's runtime is chosen at its first call, after a trace is stored.
+        # With "auto", a trace is stored once its graph's level was chosen in an earlier
+        # process (the first one's runtime is chosen at its first call, after the trace).
         cached = self.backend.cache.bypass(self.backend.cache.fingerprint()) is None
-        if config.graph_opt_level in (1, 2) and config.cache_traces and cached \
+        if config.graph_opt_level != 0 and config.cache_traces and cached \
                 and config.on_recompile == "recompile" and guard_filter is None:
             identity = json.dumps([config.to_json(), self.dynamic_dims, self.pad_values], sort_keys=True)
             self.traces = StoredTraces(fn, self.backend, identity, self.mark_dynamic)

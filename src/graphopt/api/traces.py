@@ -231,6 +231,12 @@ class StoredTraces:
             data = dynamo_traces.dumps(trace.traced)
             dynamo_traces.loads(data, self.function)  # what does not load here would not load in a later process
             trace.data, trace.identities = data, identities
+        except trace_graph.NotChosenYet:
+            note = ("graph_opt_level='auto': a step's trace is stored by the first process that starts with its "
+                    "graphs' levels chosen (the next one), and used from the process after")
+            if note not in self.backend.report().notes:
+                self.backend.report().notes.append(note)
+            return
         except Exception as error:  # noqa: BLE001 - unpicklable state costs later processes a trace, not this one
             self.backend.report().fallback(FallbackKind.TRACE_NOT_STORED,
                                            f"cache_dir: a trace of {_qualified(self.function)} is used in this "

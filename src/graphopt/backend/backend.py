@@ -143,8 +143,7 @@ class Backend:
             recompiles.on_recompile(self.config.on_recompile, self._report)
         level, fingerprint = self._level(device_type(example_inputs)), self.cache.fingerprint()
         if level == AUTO_LEVEL:
-            runtime = self._compile_auto(gm, example_inputs, fingerprint)
-            spec: GraphSpec | str = "graph_opt_level='auto' chooses its level at its first call"
+            runtime, spec = self._compile_auto(gm, example_inputs, fingerprint)
         else:
             runtime, spec = self._runtime_at(gm, example_inputs, level, fingerprint)
         if self.config.executors and level:  # an engine may run it instead
@@ -224,21 +223,23 @@ class Backend:
                               self.callers, self.replay_lock)
 
     def _compile_auto(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                      fingerprint: str | Unkeyable) -> Callable:
-        """graph_opt_level="auto": the level the compile cache chose for `gm` before, else
-        both levels, chosen between at the first call (tiers.py)."""
+                      fingerprint: str | Unkeyable) -> tuple[Callable, GraphSpec | str]:
+        """graph_opt_level="auto": the level the compile cache chose for `gm` before (with
+        its spec: a stored trace can name it), else both levels, chosen between at the
+        first call (tiers.py)."""
         key = self.cache.key(gm, list(example_inputs), AUTO_LEVEL, fingerprint)
         if key is None:
             self.cache.note_bypass(fingerprint)
         record: dict[str, Any] = {"graph": len(self._report.graphs), **self.cache.load_choice(key)}
         self._report.level_choices.append(record)
         if "level" in record:
-            return self._runtime_at(gm, example_inputs, record["level"], fingerprint)[0]
+            return self._runtime_at(gm, example_inputs, record["level"], fingerprint)
         stateful = tiers.stateful_inputs(dynamo.input_kinds(gm), example_inputs)
         background = tiers.background_compile(device_type(example_inputs), self.config, self.cache.off)
-        return tiers.choose(lambda level: self._runtime_at(gm, example_inputs, level, fingerprint)[0], gm,
-                            stateful, record, self._report, functools.partial(self.cache.store_choice, key),
-                            background)
+        runtime = tiers.choose(lambda level: self._runtime_at(gm, example_inputs, level, fingerprint)[0], gm,
+                               stateful, record, self._report, functools.partial(self.cache.store_choice, key),
+                               background, tiers.precision_bound(self.config))
+        return runtime, tiers.UNCHOSEN
 
     def compile_for_trace(self, gm: torch.fx.GraphModule,
                           example_inputs: Sequence[Any]) -> trace_graph.TraceGraph:
@@ -247,7 +248,7 @@ class Backend:
         (or, in `why`, why it cannot: the trace then serves this process only)."""
         runtime, spec = self.compile(gm, example_inputs)
         if isinstance(spec, str):
-            return trace_graph.TraceGraph(None, runtime, why=spec)
+            return trace_graph.TraceGraph(None, runtime, why=spec, chosen=spec is not tiers.UNCHOSEN)
         if spec.level == 2:
             spec.inductor = trace_graph.bundled_inductor(spec.compiled)
             if spec.inductor is None:

@@ -57,7 +57,7 @@ class GraphCompiler:
             return Compiled(gm.forward)
         if key is None:
             self.cache.note_bypass(fingerprint)
-        record = GraphRecord(index=len(self.report.graphs))
+        record = GraphRecord(index=len(self.report.graphs), level=level)
         self.report.graphs.append(record)
         real_inputs = _aot_args(gm, [shapes.concrete(x) for x in example_inputs])
         kinds = ["parameter"] * (len(real_inputs) - len(example_inputs)) + dynamo.input_kinds(gm)
@@ -169,7 +169,7 @@ class GraphCompiler:
             raise NotStorable(f"its graph ({spec.key[:12]}) is no longer in the compile cache")
         if "frozen" in stored:
             raise NotStorable("its graph binds the weights of the process that compiles it")
-        record = GraphRecord(index=len(self.report.graphs))
+        record = GraphRecord(index=len(self.report.graphs), level=spec.level)
         self.report.graphs.append(record)
         start = time.perf_counter()
         if spec.level == 1:

@@ -32,10 +32,13 @@ import torch
 
 from .._compat import background
 from ..config import GraphOptimizationConfig
+from ..passes import precision
 from ..report import FallbackKind, Report, first_line
 from . import candidates
 
 LEVELS = (1, 2)
+# Why a graph whose level is still to be chosen has no spec for a stored trace.
+UNCHOSEN = "graph_opt_level='auto' chooses its level at its first call"
 # Level 2 must beat level 1 by this much: level 1 compiles in seconds and replays as one
 # device graph, so a tie is not worth Inductor's compile in every later process.
 MARGIN = 0.97
@@ -51,14 +54,15 @@ class LevelChoice:
     `clock` is read around each timed run (a test gives a fake one); `chosen` is called
     once with the finished record (the compile cache stores it). With `pending` (level 2's
     code still being generated in a child process), level 1 serves every call until it has
-    arrived, and the first call after chooses."""
+    arrived, and the first call after chooses. `bound` is precision_bound()'s."""
 
     def __init__(self, runtimes: dict[int, Callable], eager: Callable, stateful: list[int], record: dict[str, Any],
                  report: Report, chosen: Callable[[dict[str, Any]], None],
-                 clock: Callable[[], float] = time.perf_counter, pending: background.BackgroundCompile | None = None):
+                 clock: Callable[[], float] = time.perf_counter, pending: background.BackgroundCompile | None = None,
+                 bound: float | None = None):
         self.runtimes, self.eager, self.stateful = runtimes, eager, stateful
         self.record, self.report, self.chosen, self.clock = record, report, chosen, clock
-        self.pending = pending
+        self.pending, self.bound = pending, bound
         self.run: Callable = self._first if pending is None else self._waiting
 
     def __call__(self, *args: Any) -> Any:
@@ -94,7 +98,7 @@ class LevelChoice:
             agreeing = {}
             for level, runtime in self.runtimes.items():
                 state.restore()
-                why = _disagreement(runtime, args, expected)
+                why = _disagreement(runtime, args, expected, self.bound)
                 if why is None:
                     agreeing[level] = runtime
                 else:
@@ -128,9 +132,19 @@ def background_compile(device: str, config: GraphOptimizationConfig,
     return cache_off if device == "cpu" and not config.freeze_parameters else None
 
 
+def precision_bound(config: GraphOptimizationConfig) -> float | None:
+    """How far a level's outputs may be from eager's: None, config.py's tolerances for the
+    model's dtype; with compute_dtype or weight_quantization, the error precision_tolerance
+    allows (each level's lowering was measured and held to it at compile time), as a
+    fraction of each output's largest magnitude."""
+    if config.compute_dtype is None and config.weight_quantization is None:
+        return None
+    return config.precision_tolerance if config.precision_tolerance is not None else float("inf")
+
+
 def choose(compile_at: Callable[[int], Callable], eager: Callable, stateful: list[int], record: dict[str, Any],
            report: Report, chosen: Callable[[dict[str, Any]], None],
-           in_background: Callable[[], ContextManager] | None = None) -> Callable:
+           in_background: Callable[[], ContextManager] | None = None, bound: float | None = None) -> Callable:
     """One graph compiled at each level (`compile_at(level)`), as a LevelChoice. Level 1
     must compile (every graph gets it without "auto"); a level 2 that fails to compile
     leaves level 1 serving, and says why. With `in_background` (background_compile's
@@ -154,7 +168,7 @@ def choose(compile_at: Callable[[int], Callable], eager: Callable, stateful: lis
         report.fallback(FallbackKind.LEVEL, f"graph_opt_level='auto': {why}; level 1 serves graph {record['graph']}")
         record.update(level=1, seconds={}, reason=why)
         return runtimes[1]
-    return LevelChoice(runtimes, eager, stateful, record, report, chosen, pending=pending)
+    return LevelChoice(runtimes, eager, stateful, record, report, chosen, pending=pending, bound=bound)
 
 
 def wait_for_background(timeout: float | None = None) -> bool:
@@ -201,16 +215,23 @@ def _outputs(result: Any) -> list[Any]:
     return list(result) if isinstance(result, (list, tuple)) else [result]
 
 
-def _disagreement(runtime: Callable, args: Sequence[Any], expected: list[Any]) -> str | None:
+def _disagreement(runtime: Callable, args: Sequence[Any], expected: list[Any], bound: float | None) -> str | None:
     """Why `runtime` cannot serve (it fails, or an output differs from eager's beyond
-    config.py's tolerances), or None. What it writes is not compared: padded rows may
-    write where eager does not (a scratch cache slot)."""
+    config.py's tolerances, or beyond `bound` where precision is lowered), or None. What
+    it writes is not compared: padded rows may write where eager does not (a scratch cache slot)."""
     try:
         got = _outputs(runtime(*args))
     except Exception as error:  # noqa: BLE001 - a level that fails leaves the other serving
         return f"failed on its first call ({type(error).__name__}: {first_line(error)[:200]})"
     if len(got) != len(expected):
         return f"returned {len(got)} values where eager returns {len(expected)}"
+    if bound is not None:
+        if any(isinstance(e, torch.Tensor) and (g.shape, g.dtype) != (e.shape, e.dtype) for g, e in zip(got, expected)):
+            return "gave an output whose shape or dtype is not eager's"
+        relative = precision.worst_error([e for e in expected if isinstance(e, torch.Tensor)],
+                                         [g for g, e in zip(got, expected) if isinstance(e, torch.Tensor)])[0]
+        return None if relative <= bound else (f"has an error of {relative:.3g} of an output's largest magnitude "
+                                               f"against eager's, over precision_tolerance={bound:g}")
     unequal = candidates.first_unequal(got, expected, equal_nan=True)
     if unequal is not None:
         return f"gave output {unequal} unequal to eager's beyond config.py's tolerances"

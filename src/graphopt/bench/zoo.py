@@ -29,7 +29,7 @@ from torch import nn
 from .workloads import WORKLOADS, Case, Sizes, Step, Workload
 
 # What `--workloads zoo` runs when --contenders is not given.
-CONTENDERS = ["eager", "compile", "compile-max", "default", "auto", "L2"]
+CONTENDERS = ["eager", "compile", "compile-max", "default", "L1+graphs", "L2"]
 TIMM_FIX = ("install the CPU torchvision that matches your torch from PyTorch's CPU index, e.g. "
             "pip install torchvision==<the release for your torch> --index-url https://download.pytorch.org/whl/cpu")
 # The ops torchvision's _meta_registrations registers fake kernels for without first
@@ -197,11 +197,17 @@ def expand(workloads: list[str], models: list[str] | None) -> list[str]:
 
 def chosen(report: Any) -> str:
     """What graphopt made of a model, from its report: the level and, per graph, its
-    fused ops ("no fusion" where none fired)."""
+    fused ops ("no fusion" where none fired). With graph_opt_level="auto" a graph's
+    records (one per level compiled) start at its choice's "graph" index; only the
+    chosen level's are shown."""
     parts = []
-    levels = {c["graph"]: c.get("level") for c in report.level_choices}  # graph_opt_level="auto"
+    levels = {c["graph"]: c.get("level") for c in report.level_choices}
     for graph in report.graphs:
+        first = max((index for index in levels if index <= graph.index), default=None)
         fused = ", ".join(f"{op} x{n}" for op, n in sorted(graph.fused_ops.items()) if n)
-        level = f" (level {levels[graph.index]} chosen)" if graph.index in levels else ""
-        parts.append(f"g{graph.index}{level}: {fused or 'no fusion'}")
-    return f"L{report.level}; " + ("; ".join(parts) if parts else "no graph compiled")
+        if first is None:
+            parts.append(f"g{graph.index}: {fused or 'no fusion'}")
+        elif graph.level == levels[first]:
+            parts.append(f"g{first} (level {graph.level} chosen): {fused or 'no fusion'}")
+    level = "auto" if report.level == "auto" else f"L{report.level}"
+    return f"{level}; " + ("; ".join(parts) if parts else "no graph compiled")

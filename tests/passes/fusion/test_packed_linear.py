@@ -36,7 +36,8 @@ def counts(step):
 def test_an_mlp_equals_eager_packed_with_its_gelu(approximate):
     torch.manual_seed(0)
     model = Mlp(approximate).eval()
-    step = graphopt.optimize(copy.deepcopy(model), graphopt.GraphOptimizationConfig(freeze_parameters=True))
+    step = graphopt.optimize(copy.deepcopy(model), graphopt.GraphOptimizationConfig(
+        graph_opt_level=1, freeze_parameters=True))
     x = torch.randn(8, 64, 64)  # 512 rows: 2M+ multiply-adds per linear
     with torch.inference_mode():
         for _ in range(4):  # warm-ups, a host-graph capture, replays
@@ -47,7 +48,8 @@ def test_an_mlp_equals_eager_packed_with_its_gelu(approximate):
 def test_refresh_repacks_the_weights():
     torch.manual_seed(0)
     model = Mlp().eval()
-    step = graphopt.optimize(model, graphopt.GraphOptimizationConfig(freeze_parameters=True, use_cudagraph=False))
+    step = graphopt.optimize(model, graphopt.GraphOptimizationConfig(
+        graph_opt_level=1, freeze_parameters=True, use_cudagraph=False))
     x = torch.randn(8, 64, 64)
     with torch.inference_mode():
         step(x)
@@ -113,7 +115,8 @@ def test_other_dtypes_are_left_alone():
 
 def test_not_frozen_leaves_linears():
     model = Mlp().eval()
-    step = graphopt.optimize(copy.deepcopy(model), graphopt.GraphOptimizationConfig(use_cudagraph=False))
+    step = graphopt.optimize(copy.deepcopy(model), graphopt.GraphOptimizationConfig(
+        graph_opt_level=1, use_cudagraph=False))
     x = torch.randn(8, 64, 64)
     with torch.inference_mode():
         assert_close_tree(step(x), model(x), "not frozen")
