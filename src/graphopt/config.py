@@ -158,7 +158,7 @@ class GraphOptimizationConfig:
     # magnitude, measured at compile time; past it the graph keeps full precision. None: no bound.
     precision_tolerance: float | None = 0.05
     # Linears' frozen weights in fewer bits (passes/quantize.py), level 1 or 2: "int8", a scale per
-    # output channel; "int4", a scale and a zero per group of 128 input channels (CPU only).
+    # output channel; "int4", a scale and a zero per group of 32 input channels (CPU only).
     weight_quantization: str | None = None
     # With compute_dtype or weight_quantization, for a causal LM: how many positions of each
     # sequence the greedy-token agreement with full precision compares (reported, not bounded).

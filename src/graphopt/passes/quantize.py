@@ -29,10 +29,11 @@ _CAST = prims.convert_element_type.default
 WEIGHT_QUANTIZATION = "graphopt_weight_quantization"
 # The int8 values a weight takes: -127..127, symmetric, so a scale maps max|w| to 127.
 _LEVELS = 127
-# How many int4 weights along the reduction dim share a scale and a zero. The kernel
-# takes 32, 64, 128 or 256 at the same speed; 128 (torchao's default) costs 0.25 bit
-# per weight for its bfloat16 scale and zero, where 32 costs 1 bit.
-INT4_GROUP = 128
+# How many int4 weights along the reduction dim share a scale and a zero (the kernel takes
+# 32, 64, 128 or 256). 32: less error than 128 and more linears fit (K a multiple of 32),
+# for slightly more kernel time and 1 bit per weight of bfloat16 scale and zero where 128
+# costs 0.25 (measured in docs/precision.md, "Weight-only int4").
+INT4_GROUP = 32
 
 
 @dataclass(frozen=True)
@@ -50,16 +51,16 @@ def quantize_weights(gm: torch.fx.GraphModule) -> PassResult:
         before:  y = aten.linear(x, w, b)              (level 2: y = aten.addmm(b, x, aten.permute(w, [1, 0])))
         after:   q = aten._weight_int8pack_mm(convert(x, bf16), _folded_0, _folded_1)
                  y = aten.add(convert(q, f32), b)                      x: [s0, 64], w: [32, 64]
-        int4:    q = aten._weight_int4pack_mm_for_cpu(convert(x, bf16), _folded_0, 128, _folded_1)
+        int4:    q = aten._weight_int4pack_mm_for_cpu(convert(x, bf16), _folded_0, 32, _folded_1)
 
     int8: `_folded_0` = round(w / scale) in int8, `_folded_1` = scale = max|w| / 127 per
     output channel (in bfloat16). int4: `_folded_0` = the kernel's packing of
     round((w - zero) / scale) + 8 in 0..15 (two per byte), `_folded_1` = (scale, zero) per
-    group of 128 input channels, [K / 128, N, 2] in bfloat16, with scale = (max - min) / 15
+    group of 32 input channels, [K / 32, N, 2] in bfloat16, with scale = (max - min) / 15
     and zero = min + 8 * scale over the group, so the kernel's (q - 8) * scale + zero
     spans it. Both are folded at compile time with refresh recipes, so `refresh()`
     quantizes updated weights again. A weight whose shape the kernel cannot take (int8:
-    K not a multiple of 16; int4: K not a multiple of 128 or N of 16) stays as it is,
+    K not a multiple of 16; int4: K not a multiple of 32 or N of 16) stays as it is,
     counted as skipped. An input of more than two dims is flattened to rows and back
     when at most one of its leading sizes is symbolic. At level 2 Inductor lowers the
     kernel call itself (extern ATen kernel, or its C++ GEMM template where autotuning picks it).
