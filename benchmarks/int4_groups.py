@@ -19,6 +19,7 @@ from graphopt.models import Decoder, DecoderConfig
 from graphopt.passes import quantize
 
 aten = torch.ops.aten
+kernel = aten._weight_int4pack_mm_for_cpu
 GROUPS = (32, 64, 128, 256)
 
 
@@ -38,7 +39,7 @@ def kernel_times(model: Decoder, rounds: int) -> None:
             x = torch.randn(rows, k).bfloat16()
             for group in (g for g in GROUPS if k % g == 0):  # else the linear is skipped
                 w, pairs = packed(torch.empty(n, k), group)
-                runs[f"{name} g{group}"] = lambda x=x, w=w, g=group, p=pairs: aten._weight_int4pack_mm_for_cpu(x, w, g, p)
+                runs[f"{name} g{group}"] = lambda x=x, w=w, g=group, p=pairs: kernel(x, w, g, p)
         print(f"{rows} row(s), µs:", {k: round(v) for k, v in median_us(runs, rounds, 5).items()})
 
 

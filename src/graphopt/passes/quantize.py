@@ -130,8 +130,7 @@ def _quantize(gm: torch.fx.GraphModule, node: torch.fx.Node, operands: tuple, co
     with gm.graph.inserting_before(node):
         args = fmt.operands(gm, w, fake_mode)
         rows = x if len(lead) == 1 else _node(gm, aten.reshape.default, (x, [-1, wv.shape[1]]), fake_mode)
-        q = _node(gm, fmt.kernel, (_node(gm, _CAST, (rows, torch.bfloat16), fake_mode),
-                                   *args), fake_mode)
+        q = _node(gm, fmt.kernel, (_node(gm, _CAST, (rows, torch.bfloat16), fake_mode), *args), fake_mode)
         y = _node(gm, _CAST, (q, torch.float32), fake_mode)
         if len(lead) > 1:
             shape = [s if isinstance(s, int) else -1 for s in lead] + [wv.shape[0]]
@@ -168,7 +167,7 @@ def _int4_operands(gm: torch.fx.GraphModule, w: torch.fx.Node, fake_mode) -> tup
     n, k = value_of(w).shape
     groups = op(aten.reshape.default, w, [n, k // INT4_GROUP, INT4_GROUP])
     low, high = op(aten.amin.default, groups, [2]), op(aten.amax.default, groups, [2])
-    # A constant group gets a tiny scale, so its values round back to themselves.
+    # A constant group (max == min) gets a tiny scale, so it comes back as its value in bfloat16.
     scale = op(aten.clamp_min.default, op(aten.div.Tensor, op(aten.sub.Tensor, high, low), 15.0), 1e-6)
     zero = op(aten.add.Tensor, low, op(aten.mul.Tensor, scale, 8.0))
     scale_bf16, zero_bf16 = op(_CAST, scale, torch.bfloat16), op(_CAST, zero, torch.bfloat16)
@@ -176,11 +175,11 @@ def _int4_operands(gm: torch.fx.GraphModule, w: torch.fx.Node, fake_mode) -> tup
     ratio = op(aten.div.Tensor, op(aten.sub.Tensor, groups, op(aten.unsqueeze.default, zero, 2)),
                op(aten.unsqueeze.default, scale, 2))
     levels = op(aten.clamp.default, op(aten.add.Tensor, op(aten.round.default, ratio), 8.0), 0.0, 15.0)
+    # Its second argument (inner K tiles) is read by the CUDA packing only.
     packed = op(aten._convert_weight_to_int4pack_for_cpu.default,
                 op(aten.reshape.default, op(_CAST, levels, torch.int32), [n, k]), 1)
     pairs = op(aten.permute.default, op(aten.stack.default, [scale_bf16, zero_bf16], 2), [1, 0, 2])
     return packed, INT4_GROUP, _node(gm, aten.clone.default, (pairs,), fake_mode, memory_format=torch.contiguous_format)
-
 
 
 def _node(gm: torch.fx.GraphModule, target, args: tuple, fake_mode, **kwargs) -> torch.fx.Node:
