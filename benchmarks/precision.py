@@ -1,4 +1,4 @@
-"""float32 against `compute_dtype="bfloat16"` (and `weight_quantization="int8"`) on a BERT
+"""float32 against `compute_dtype="bfloat16"` (and `weight_quantization="int8"` / `"int4"`) on a BERT
 encoder, a ResNet-18 and the reference decoder's decode step, at level 1 (live and frozen
 weights, frozen with host graphs) and level 2 frozen, batch 1 and 8.
 
@@ -65,6 +65,7 @@ PRECISIONS = {  # name -> config keys; the first is the baseline of the "vs" col
     "float32": {}, "bfloat16": dict(compute_dtype="bfloat16"),
     # No bound: the table shows the error it measured.
     "int8 weights": dict(weight_quantization="int8", precision_tolerance=None),
+    "int4 weights": dict(weight_quantization="int4", precision_tolerance=None),
 }
 VARIANTS = {  # name -> config keys
     "level 1": dict(graph_opt_level=1, use_cudagraph=False, freeze_parameters=False),

@@ -69,7 +69,7 @@ AUTO_CAPTURE_SIZES: Final = "auto"
 ON_RECOMPILE: Final = ("recompile", "warn", "error")
 GUARDS: Final = ("all", "inputs")
 COMPUTE_DTYPES: Final = ("bfloat16",)
-WEIGHT_QUANTIZATIONS: Final = ("int8",)
+WEIGHT_QUANTIZATIONS: Final = ("int8", "int4")
 
 
 CACHE_DIR_ENV: Final = "GRAPHOPT_CACHE_DIR"
@@ -158,7 +158,8 @@ class GraphOptimizationConfig:
     # With compute_dtype: the largest error allowed, as a fraction of the output's largest
     # magnitude, measured at compile time; past it the graph keeps full precision. None: no bound.
     precision_tolerance: float | None = 0.05
-    # "int8": linears' frozen weights in int8, a scale per output channel (passes/quantize.py), level 1, 2 or auto.
+    # Linears' frozen weights in fewer bits (passes/quantize.py), level 1, 2 or auto: "int8", a scale per
+    # output channel; "int4", a scale and a zero per group of 32 input channels (CPU only).
     weight_quantization: str | None = None
     # With compute_dtype or weight_quantization, for a causal LM: how many positions of each
     # sequence the greedy-token agreement with full precision compares (reported, not bounded).

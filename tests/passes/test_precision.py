@@ -281,7 +281,8 @@ def test_decoder_step_with_int8_weights(decoder):
 
 
 @pytest.mark.parametrize("changes, error, message", [
-    ({"weight_quantization": "int4"}, ValueError, "weight_quantization must be one of 'int8' or null, got 'int4'"),
+    ({"weight_quantization": "int2"}, ValueError, "weight_quantization must be one of 'int8', 'int4' or null, "
+                                                 "got 'int2'"),
     ({"weight_quantization": "int8"}, ValueError, "weight_quantization='int8' quantizes frozen weights at compile "
                                                   "time, at level 1, 2 or 'auto': it needs freeze_parameters=True "
                                                   "and a level above 0"),

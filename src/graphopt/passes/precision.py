@@ -171,7 +171,7 @@ def prepare(gm: torch.fx.GraphModule, config: GraphOptimizationConfig,
     """Tell the passes that lower precision what the config asks of `gm` (`gm.meta`)."""
     if config.compute_dtype is not None:
         gm.meta[COMPUTE_DTYPE] = compute_dtype(gm, config.compute_dtype, fallback)
-    gm.meta[WEIGHT_QUANTIZATION] = config.weight_quantization
+    gm.meta[WEIGHT_QUANTIZATION] = weight_quantization(gm, config.weight_quantization, fallback)
     gm.meta[AGREEMENT_STEPS] = config.token_agreement_steps
 
 
@@ -191,6 +191,20 @@ def compute_dtype(gm: torch.fx.GraphModule, name: str,
                  f"compute_dtype={name!r}: this GPU has no bfloat16 arithmetic; the graph computes in float32")
         return None
     return dtype
+
+
+def weight_quantization(gm: torch.fx.GraphModule, name: str | None,
+                        fallback: Callable[[FallbackKind, str], None]) -> str | None:
+    """The weight format `quantize_weights` gives `gm`: `name`, or None where the graph's
+    device has no kernel for it, with the reason given to `fallback`."""
+    device = _device(gm)
+    if name == "int4" and device not in (None, "cpu"):
+        # torch's CUDA int4 kernel packs its weight another way, which graphopt has not been run against.
+        fallback(FallbackKind.PRECISION,
+                 f"weight_quantization='int4' runs on the CPU only (torch's _weight_int4pack_mm_for_cpu); "
+                 f"on {device} the linears keep their float weights")
+        return None
+    return name
 
 
 def _device(gm: torch.fx.GraphModule) -> str | None:

@@ -1,13 +1,18 @@
-"""Weight-only int8: the linears on frozen weights read their weight as int8, one
-float scale per output channel, through torch's own fused dequant-GEMM kernel
-(`aten._weight_int8pack_mm`), which streams a quarter of float32's weight bytes.
+"""Weight-only int8 and int4: the linears on frozen weights read their weight as int8
+(one float scale per output channel) or as int4 (a scale and a zero per group of
+`INT4_GROUP` weights along the reduction dim), through torch's own fused dequant-GEMM
+kernels (`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`), which stream
+a quarter or an eighth of float32's weight bytes.
 
-The kernel's fast path takes bfloat16 activations (float32 ones go to a loop many
-times slower), so the linear's input is cast to bfloat16 for it and its result cast
+The kernels' fast paths take bfloat16 activations (float32 ones go to loops tens of
+times slower), so the linear's input is cast to bfloat16 for them and the result cast
 back; the error of both is measured with lower_precision's (`precision.measured_error`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.fx
@@ -18,46 +23,75 @@ from .constant_fold import constant_nodes, fold_node
 from .strides import fake_run
 
 aten, prims = torch.ops.aten, torch.ops.prims
+_CAST = prims.convert_element_type.default
 
 # Set by the manager: the weight format (absent: the pass does nothing).
 WEIGHT_QUANTIZATION = "graphopt_weight_quantization"
-# The kernel reads the reduction dimension in blocks of 16: other sizes give wrong
-# results or crash, so those linears stay as they are.
-_K_BLOCK = 16
 # The int8 values a weight takes: -127..127, symmetric, so a scale maps max|w| to 127.
 _LEVELS = 127
+# How many int4 weights along the reduction dim share a scale and a zero (the kernel takes
+# 32, 64, 128 or 256). 32: less error than 128 and more linears fit (K a multiple of 32),
+# for slightly more kernel time and 1 bit per weight of bfloat16 scale and zero where 128
+# costs 0.25 (measured in docs/precision.md, "Weight-only int4").
+INT4_GROUP = 32
+
+
+@dataclass(frozen=True)
+class _Format:
+    kernel: Any  # the fused kernel: kernel(x in bfloat16 [rows, K], *operands) -> [rows, N] in bfloat16
+    operands: Callable  # (gm, w, fake_mode) -> the kernel's arguments after x; their nodes are folded
+    fits: Callable[[int, int], bool]  # (N, K) -> whether the kernel takes a weight [N, K]
 
 
 def quantize_weights(gm: torch.fx.GraphModule) -> PassResult:
     """Compute each product of an input with a frozen 2-D float32 weight with its weight
-    in int8: a linear (level 1), or the mm / addmm on the weight's transpose that
+    in int8 or int4: a linear (level 1), or the mm / addmm on the weight's transpose that
     Inductor's decompositions leave of one (level 2).
 
         before:  y = aten.linear(x, w, b)              (level 2: y = aten.addmm(b, x, aten.permute(w, [1, 0])))
         after:   q = aten._weight_int8pack_mm(convert(x, bf16), _folded_0, _folded_1)
                  y = aten.add(convert(q, f32), b)                      x: [s0, 64], w: [32, 64]
+        int4:    q = aten._weight_int4pack_mm_for_cpu(convert(x, bf16), _folded_0, 32, _folded_1)
 
-    `_folded_0` = round(w / scale) in int8, `_folded_1` = scale = max|w| / 127 per output
-    channel (in bfloat16), both folded at compile time with refresh recipes, so
-    `refresh()` quantizes updated weights again. An input of more than two dims is
-    flattened to rows and back when at most one of its leading sizes is symbolic.
-    At level 2 Inductor lowers the kernel call itself (extern ATen kernel, or its C++
-    GEMM template with the scale as an epilogue where autotuning picks it).
+    int8: `_folded_0` = round(w / scale) in int8, `_folded_1` = scale = max|w| / 127 per
+    output channel (in bfloat16). int4: `_folded_0` = the kernel's packing of
+    round((w - zero) / scale) + 8 in 0..15 (two per byte), `_folded_1` = (scale, zero) per
+    group of 32 input channels, [K / 32, N, 2] in bfloat16, with scale = (max - min) / 15
+    and zero = min + 8 * scale over the group, so the kernel's (q - 8) * scale + zero
+    spans it. Both are folded at compile time with refresh recipes, so `refresh()`
+    quantizes updated weights again. A weight whose shape the kernel cannot take (int8:
+    K not a multiple of 16; int4: K not a multiple of 32 or N of 16) stays as it is,
+    counted as skipped. An input of more than two dims is flattened to rows and back
+    when at most one of its leading sizes is symbolic. At level 2 Inductor lowers the
+    kernel call itself (extern ATen kernel, or its C++ GEMM template where autotuning picks it).
     """
-    if gm.meta.get(WEIGHT_QUANTIZATION) != "int8" or not hasattr(aten, "_weight_int8pack_mm"):
-        return PassResult(changed=False)
+    fmt = _formats().get(gm.meta.get(WEIGHT_QUANTIZATION))
     fake_mode = fake.fake_mode_of(gm)
+    if fmt is None or fake_mode is None:
+        return PassResult(changed=False)
     constants = constant_nodes(gm)
     counts: dict[str, int] = {}
     for node in list(gm.graph.nodes):
         operands = _operands(node)
         # An mm is a linear's only on a weight: products of two activations are not counted.
-        if operands is not None and node.target is not aten.linear.default and operands[1] not in constants:
+        if operands is None or (node.target is not aten.linear.default and operands[1] not in constants):
             continue
-        if operands is not None and fake_mode is not None:
-            kind = "quantized" if _quantize(gm, node, operands, constants, fake_mode) else "skipped"
-            counts[kind] = counts.get(kind, 0) + 1
+        kind = "quantized" if _quantize(gm, node, operands, constants, fmt, fake_mode) else "skipped"
+        counts[kind] = counts.get(kind, 0) + 1
     return PassResult(changed="quantized" in counts, counts=counts)
+
+
+def _formats() -> dict[str, _Format]:
+    """The weight formats this torch has a kernel for, by `weight_quantization` name."""
+    formats = {}
+    if hasattr(aten, "_weight_int8pack_mm"):
+        # The kernel reads the reduction dim in blocks of 16: other sizes give wrong results or crash.
+        formats["int8"] = _Format(aten._weight_int8pack_mm.default, _int8_operands, lambda n, k: k % 16 == 0)
+    if hasattr(aten, "_weight_int4pack_mm_for_cpu"):
+        # The packing pairs output channels in blocks of 16; the kernel reads whole groups.
+        formats["int4"] = _Format(aten._weight_int4pack_mm_for_cpu.default, _int4_operands,
+                                  lambda n, k: n % 16 == 0 and k % INT4_GROUP == 0)
+    return formats
 
 
 def _operands(node: torch.fx.Node) -> tuple | None:
@@ -83,23 +117,21 @@ def _is_transpose(node: torch.fx.Node) -> bool:
         node.target is aten.t.default
 
 
-def _quantize(gm: torch.fx.GraphModule, node: torch.fx.Node, operands: tuple, constants: set, fake_mode) -> bool:
+def _quantize(gm: torch.fx.GraphModule, node: torch.fx.Node, operands: tuple, constants: set, fmt: _Format,
+              fake_mode) -> bool:
     x, w, bias = operands
     xv, wv = value_of(x), value_of(w)
-    if w not in constants or xv is None or wv is None or wv.dim() != 2 or wv.shape[1] % _K_BLOCK \
+    if w not in constants or xv is None or wv is None or wv.dim() != 2 or not fmt.fits(*wv.shape) \
             or xv.dtype != torch.float32 or wv.dtype != torch.float32:
         return False
     lead = list(xv.shape[:-1])
     if not lead or sum(not isinstance(s, int) for s in lead) > 1:
         return False
-    graph = gm.graph
-    with graph.inserting_before(node):
-        weight, scale = _quantized_weight(gm, w, fake_mode)
+    with gm.graph.inserting_before(node):
+        args = fmt.operands(gm, w, fake_mode)
         rows = x if len(lead) == 1 else _node(gm, aten.reshape.default, (x, [-1, wv.shape[1]]), fake_mode)
-        q = _node(gm, aten._weight_int8pack_mm.default,
-                  (_node(gm, prims.convert_element_type.default, (rows, torch.bfloat16), fake_mode), weight, scale),
-                  fake_mode)
-        y = _node(gm, prims.convert_element_type.default, (q, torch.float32), fake_mode)
+        q = _node(gm, fmt.kernel, (_node(gm, _CAST, (rows, torch.bfloat16), fake_mode), *args), fake_mode)
+        y = _node(gm, _CAST, (q, torch.float32), fake_mode)
         if len(lead) > 1:
             shape = [s if isinstance(s, int) else -1 for s in lead] + [wv.shape[0]]
             y = _node(gm, aten.reshape.default, (y, shape), fake_mode)
@@ -107,24 +139,50 @@ def _quantize(gm: torch.fx.GraphModule, node: torch.fx.Node, operands: tuple, co
             y = _node(gm, aten.add.Tensor, (y, bias), fake_mode)
     node.replace_all_uses_with(y)
     erase_dead(node)
-    fold_node(gm, weight)  # once something reads them: folding erases the constants nothing reads
-    fold_node(gm, scale)
+    for arg in args:  # once something reads them: folding erases the constants nothing reads
+        if isinstance(arg, torch.fx.Node):
+            fold_node(gm, arg)
     return True
 
 
-def _quantized_weight(gm: torch.fx.GraphModule, w: torch.fx.Node, fake_mode) -> tuple[torch.fx.Node, torch.fx.Node]:
-    """The nodes computing `w` in int8 and its scales in bfloat16 (the caller folds them)."""
-    amax = _node(gm, aten.amax.default, (_node(gm, aten.abs.default, (w,), fake_mode), [1]), fake_mode)
-    scale = _node(gm, aten.clamp_min.default, (_node(gm, aten.div.Tensor, (amax, float(_LEVELS)), fake_mode), 1e-12),
-                  fake_mode)
-    ratio = _node(gm, aten.div.Tensor, (w, _node(gm, aten.unsqueeze.default, (scale, 1), fake_mode)), fake_mode)
-    rounded = _node(gm, aten.clamp.default,
-                    (_node(gm, aten.round.default, (ratio,), fake_mode), -float(_LEVELS), float(_LEVELS)), fake_mode)
-    weight = _node(gm, prims.convert_element_type.default, (rounded, torch.int8), fake_mode)
-    return weight, _node(gm, prims.convert_element_type.default, (scale, torch.bfloat16), fake_mode)
+def _int8_operands(gm: torch.fx.GraphModule, w: torch.fx.Node, fake_mode) -> tuple:
+    """(`w` in int8, its scales in bfloat16): nodes the caller folds."""
+    def op(target, *args):
+        return _node(gm, target, args, fake_mode)
+
+    amax = op(aten.amax.default, op(aten.abs.default, w), [1])
+    scale = op(aten.clamp_min.default, op(aten.div.Tensor, amax, float(_LEVELS)), 1e-12)
+    ratio = op(aten.div.Tensor, w, op(aten.unsqueeze.default, scale, 1))
+    rounded = op(aten.clamp.default, op(aten.round.default, ratio), -float(_LEVELS), float(_LEVELS))
+    return op(_CAST, rounded, torch.int8), op(_CAST, scale, torch.bfloat16)
 
 
-def _node(gm: torch.fx.GraphModule, target, args: tuple, fake_mode) -> torch.fx.Node:
-    node = gm.graph.call_function(target, args)
+def _int4_operands(gm: torch.fx.GraphModule, w: torch.fx.Node, fake_mode) -> tuple:
+    """(`w` in int4 packed for the kernel, the group size, its scales and zeros
+    [K / group, N, 2] in bfloat16): the caller folds the nodes. The values are rounded
+    against the bfloat16 scale and zero the kernel reads, not the float32 ones."""
+    def op(target, *args):
+        return _node(gm, target, args, fake_mode)
+
+    n, k = value_of(w).shape
+    groups = op(aten.reshape.default, w, [n, k // INT4_GROUP, INT4_GROUP])
+    low, high = op(aten.amin.default, groups, [2]), op(aten.amax.default, groups, [2])
+    # A constant group (max == min) gets a tiny scale, so it comes back as its value in bfloat16.
+    scale = op(aten.clamp_min.default, op(aten.div.Tensor, op(aten.sub.Tensor, high, low), 15.0), 1e-6)
+    zero = op(aten.add.Tensor, low, op(aten.mul.Tensor, scale, 8.0))
+    scale_bf16, zero_bf16 = op(_CAST, scale, torch.bfloat16), op(_CAST, zero, torch.bfloat16)
+    scale, zero = op(_CAST, scale_bf16, torch.float32), op(_CAST, zero_bf16, torch.float32)
+    ratio = op(aten.div.Tensor, op(aten.sub.Tensor, groups, op(aten.unsqueeze.default, zero, 2)),
+               op(aten.unsqueeze.default, scale, 2))
+    levels = op(aten.clamp.default, op(aten.add.Tensor, op(aten.round.default, ratio), 8.0), 0.0, 15.0)
+    # Its second argument (inner K tiles) is read by the CUDA packing only.
+    packed = op(aten._convert_weight_to_int4pack_for_cpu.default,
+                op(aten.reshape.default, op(_CAST, levels, torch.int32), [n, k]), 1)
+    pairs = op(aten.permute.default, op(aten.stack.default, [scale_bf16, zero_bf16], 2), [1, 0, 2])
+    return packed, INT4_GROUP, _node(gm, aten.clone.default, (pairs,), fake_mode, memory_format=torch.contiguous_format)
+
+
+def _node(gm: torch.fx.GraphModule, target, args: tuple, fake_mode, **kwargs) -> torch.fx.Node:
+    node = gm.graph.call_function(target, args, kwargs)
     node.meta["val"] = fake_run(node, {}, fake_mode)
     return node

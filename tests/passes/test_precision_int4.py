@@ -1,0 +1,204 @@
+"""weight_quantization="int4": quantize_weights turns linears on frozen weights into
+aten._weight_int4pack_mm_for_cpu on folded int4 weights (a scale and a zero per group of
+INT4_GROUP input channels), at level 1 and level 2, with the error measured and bounded."""
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.fx
+import torch.nn.functional as F
+from support import decode_inputs, unexpected_fallbacks
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import graphopt
+from graphopt import FallbackKind
+from graphopt.config import tolerance
+from graphopt.passes import precision
+from graphopt.passes.quantize import INT4_GROUP
+
+aten = torch.ops.aten
+KERNEL = aten._weight_int4pack_mm_for_cpu.default
+GEMMS = (aten.mm.default, aten.addmm.default, aten.linear.default)
+# int4's stated bound against eager float32: the largest error as a share of the output's
+# largest magnitude, on these random-weight models (measured: 0.06 and 0.11).
+INT4_BOUND = 0.3
+
+
+class MLP(torch.nn.Module):
+    """Two linears the int4 kernel takes, and two it cannot: `side` reads 48 inputs (not
+    a multiple of the group size), `out` writes 40 outputs (not a multiple of 16)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.mid = torch.nn.Linear(64, 128), torch.nn.Linear(128, 48)
+        self.side, self.out = torch.nn.Linear(48, 64), torch.nn.Linear(64, 40)
+
+    def forward(self, x):
+        return self.out(F.gelu(self.side(torch.relu(self.mid(torch.relu(self.up(x)))))))
+
+
+def quantized(model, level, **config):
+    config = {"precision_tolerance": INT4_BOUND, **config}
+    return graphopt.optimize(model, graphopt.GraphOptimizationConfig(
+        graph_opt_level=level, use_cudagraph=False, freeze_parameters=True, weight_quantization="int4", **config))
+
+
+def kernels(gm):
+    return [n for n in gm.graph.nodes if n.target is KERNEL]
+
+
+def dequantized(w):
+    """`w` as the kernel reads it: per group of INT4_GROUP inputs, 16 levels from its
+    minimum to its maximum, scale and zero rounded to bfloat16."""
+    groups = w.reshape(w.shape[0], -1, INT4_GROUP)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scale = ((high - low) / 15).clamp_min(1e-6).bfloat16().float()
+    zero = (low + 8 * scale).bfloat16().float()
+    levels = ((groups - zero) / scale).round().add(8).clamp(0, 15)
+    return ((levels - 8) * scale + zero).reshape(w.shape)
+
+
+def with_int4_weights(model, names):
+    """A copy of `model` whose linears `names` hold their dequantized int4 weights."""
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for name in names:
+            layer = getattr(twin, name)
+            layer.weight.copy_(dequantized(layer.weight))
+    return twin
+
+
+def assert_as_int4(out, model, x, names=("up", "mid")):
+    """`out` is `model(x)` computed on int4 weights, the kernel's activations rounded to bfloat16."""
+    atol, rtol = tolerance(torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(out, with_int4_weights(model, names)(x), atol=atol, rtol=rtol)
+
+
+def assert_within_int4_bound(out, expected):
+    assert (out - expected).abs().max() <= INT4_BOUND * expected.abs().max()
+
+
+def test_mlp_at_level_1_runs_its_linears_on_the_int4_kernel():
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(2, 5, 64)
+    opt = quantized(model, level=1)
+    with torch.no_grad():
+        out, expected = opt(x), model(x)
+    assert_as_int4(out, model, x)
+    assert_within_int4_bound(out, expected)
+    (gm,) = opt.graphs()
+    found = kernels(gm)
+    assert [n.args[1].meta["val"].shape for n in found] == [(128, 32), (48, 64)]  # [N, K / 2] uint8
+    assert all(n.args[1].op == "get_attr" and n.args[1].meta["val"].dtype == torch.uint8 for n in found)
+    assert [n.args[2] for n in found] == [INT4_GROUP, INT4_GROUP]
+    assert [tuple(n.args[3].meta["val"].shape) for n in found] == [(64 // INT4_GROUP, 128, 2),
+                                                                   (128 // INT4_GROUP, 48, 2)]
+    assert all(n.args[3].op == "get_attr" and n.args[3].meta["val"].dtype == torch.bfloat16 for n in found)
+    # side (48 inputs) and out (40 outputs) stay float32 linears.
+    assert sum(n.target is aten.linear.default for n in gm.graph.nodes) == 2
+    assert {p.name: p.counts for p in opt.report().passes}["quantize_weights"] == {"quantized": 2, "skipped": 2}
+    error = opt.report().graphs[0].precision
+    assert error["dtype"] == "int4 weights" and 0 < error["relative_error"] < INT4_BOUND
+    assert "lower precision (int4 weights): max abs error" in str(opt.report())
+    assert unexpected_fallbacks(opt.report()) == {}
+
+
+def test_refresh_quantizes_updated_weights_again():
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(8, 64)
+    opt = quantized(model, level=1)
+    with torch.no_grad():
+        before = opt(x).clone()
+        model.up.weight.mul_(-2)
+        opt.refresh()
+        out = opt(x)
+    assert not torch.allclose(out, before)
+    assert_as_int4(out, model, x)
+
+
+def test_a_tight_tolerance_undoes_the_quantization():
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(8, 64)
+    opt = quantized(model, level=1, precision_tolerance=0.01)
+    with torch.no_grad():
+        out, expected = opt(x), model(x)
+    atol, rtol = tolerance(torch.float32)
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+    assert not kernels(opt.graphs()[0])
+    assert unexpected_fallbacks(opt.report()) == {FallbackKind.PRECISION: 1}
+    assert "quantize_weights (int4 weights): the graph's error" in str(opt.report().fallbacks)
+
+
+def test_mlp_at_level_2_runs_on_the_int4_kernel_and_refreshes():
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(8, 64)
+    opt = quantized(model, level=2)
+    with torch.no_grad():
+        out, expected = opt(x), model(x)
+    assert_as_int4(out, model, x)
+    assert_within_int4_bound(out, expected)
+    (gm,) = opt.graphs()
+    # Inductor's decompositions leave the float linears as addmm on the weight's transpose.
+    assert len(kernels(gm)) == 2 and sum(n.target in GEMMS for n in gm.graph.nodes) == 2
+    assert {p.name: p.counts for p in opt.report().passes}["quantize_weights"] == {"quantized": 2, "skipped": 2}
+    (record,) = opt.report().graphs
+    # Inductor lowered the calls; the one its C++ template takes (up's; its blocks are 32 outputs
+    # wide, mid has 48) it timed against ATen's kernel, the other runs on ATen's.
+    assert [key.split(" [")[0] for key in record.gemms] == ["_weight_int4pack_mm_for_cpu"]
+    assert record.precision["dtype"] == "int4 weights" and 0 < record.precision["relative_error"] < INT4_BOUND
+    with torch.no_grad():
+        model.mid.weight.mul_(-2)
+        opt.refresh()
+        assert_as_int4(opt(x), model, x)
+
+
+@pytest.mark.parametrize("level", [1, pytest.param(2, marks=pytest.mark.slow)])  # as int8's level 2 decoder test
+def test_decoder_step_with_int4_weights(decoder, level):
+    # At level 2, ATen's kernel only: timing the C++ template for each GEMM takes minutes on a small CPU.
+    extra = {"inductor_compile_config": {"max_autotune_gemm": False}} if level == 2 else {}
+    opt = quantized(decoder, level=level, **extra)
+    with torch.inference_mode():
+        out, expected = opt(*decode_inputs(3)), decoder(*decode_inputs(3))
+    (gm,) = opt.graphs()
+    # Per layer q, k, v (one linear after fuse_horizontal_linear), o and gate, up; and the lm_head.
+    # The tiny decoder's down projection reads 176 inputs, not a multiple of the group size.
+    counts = {p.name: p.counts for p in opt.report().passes}["quantize_weights"]
+    assert counts == {"quantized": 3 * decoder.config.num_layers + 1, "skipped": decoder.config.num_layers}
+    assert len(kernels(gm)) == counts["quantized"]
+    assert_within_int4_bound(out, expected)
+    error = opt.report().graphs[0].precision
+    assert error["dtype"] == "int4 weights" and error["relative_error"] < INT4_BOUND and error["tokens_compared"] == 3
+    assert error["token_agreement"] == torch.sum(out.argmax(-1) == expected.argmax(-1)).item() / 3
+
+
+def test_int4_on_cuda_keeps_float_weights_and_says_why():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    with FakeTensorMode():
+        x.meta["val"] = torch.empty(2, 64, device="cuda")
+    graph.output(x)
+    gm, reasons = torch.fx.GraphModule(torch.nn.Module(), graph), []
+    assert precision.weight_quantization(gm, "int4", lambda kind, why: reasons.append((kind, why))) is None
+    assert reasons == [(FallbackKind.PRECISION, "weight_quantization='int4' runs on the CPU only (torch's "
+                        "_weight_int4pack_mm_for_cpu); on cuda the linears keep their float weights")]
+    assert precision.weight_quantization(gm, "int8", reasons.append) == "int8" and len(reasons) == 1
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"weight_quantization": "int3"}, "weight_quantization must be one of 'int8', 'int4' or null, got 'int3'"),
+    ({"weight_quantization": "int4"}, "weight_quantization='int4' quantizes frozen weights at compile time"),
+    ({"weight_quantization": "int4", "freeze_parameters": True, "graph_opt_level": 0},
+     "weight_quantization='int4' quantizes frozen weights at compile time"),
+])
+def test_invalid_values_are_refused(changes, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        graphopt.GraphOptimizationConfig(**changes)
+
+
+def test_the_key_comes_from_json():
+    cfg = graphopt.GraphOptimizationConfig.from_json(
+        '{"weight_quantization": "int4", "freeze_parameters": true, "graph_opt_level": 1}')
+    assert cfg.weight_quantization == "int4" and graphopt.GraphOptimizationConfig.from_json(cfg.to_json()) == cfg
