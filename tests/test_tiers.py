@@ -193,6 +193,24 @@ def test_the_precision_bound_follows_the_config():
     assert tiers.precision_bound(config(compute_dtype="bfloat16", precision_tolerance=None)) == float("inf")
 
 
+def test_auto_with_int8_weights_chooses_between_the_quantized_levels():
+    """Both levels quantize, both are off eager's float32 by int8's error, and both stay
+    candidates: the choice is a level, not eager."""
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(4, 32)
+    config = graphopt.GraphOptimizationConfig(freeze_parameters=True, weight_quantization="int8", cache_dir=None,
+                                              use_cudagraph=False)
+    opt = graphopt.optimize(model, config)
+    with torch.no_grad():
+        expected, out = model(x), opt(x)
+    [choice] = opt.report().level_choices
+    assert choice["level"] in (1, 2) and set(choice["seconds"]) == {"1", "2"}, choice
+    assert not opt.report().fallbacks, opt.report().fallbacks
+    assert [g.precision["dtype"] for g in opt.report().graphs] == ["int8 weights"] * 2
+    error = (out - expected).abs().max() / expected.abs().max()
+    assert 0 < error < 0.05  # quantized, within the default precision_tolerance
+
+
 def test_auto_is_a_level_the_config_accepts():
     assert graphopt.GraphOptimizationConfig(graph_opt_level="auto").graph_opt_level == "auto"
     with pytest.raises(TypeError, match=r"graph_opt_level must be an int in \{0, 1, 2\} or 'auto', got 'fast' \(str\)"):
