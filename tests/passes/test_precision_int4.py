@@ -81,14 +81,21 @@ def assert_within_int4_bound(out, expected):
     assert (out - expected).abs().max() <= INT4_BOUND * expected.abs().max()
 
 
-def test_mlp_at_level_1_runs_its_linears_on_the_int4_kernel():
+def quantized_mlp(level, x):
+    """An MLP at `level` with int4 weights, run on `x`: its outputs are checked against the
+    dequantized weights' and within INT4_BOUND of eager's; (model, opt)."""
     torch.manual_seed(0)
-    model, x = MLP().eval(), torch.randn(2, 5, 64)
-    opt = quantized(model, level=1)
+    model = MLP().eval()
+    opt = quantized(model, level=level)
     with torch.no_grad():
         out, expected = opt(x), model(x)
     assert_as_int4(out, model, x)
     assert_within_int4_bound(out, expected)
+    return model, opt
+
+
+def test_mlp_at_level_1_runs_its_linears_on_the_int4_kernel():
+    model, opt = quantized_mlp(1, torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1)))
     (gm,) = opt.graphs()
     found = kernels(gm)
     assert [n.args[1].meta["val"].shape for n in found] == [(128, 32), (48, 64)]  # [N, K / 2] uint8
@@ -133,13 +140,8 @@ def test_a_tight_tolerance_undoes_the_quantization():
 
 
 def test_mlp_at_level_2_runs_on_the_int4_kernel_and_refreshes():
-    torch.manual_seed(0)
-    model, x = MLP().eval(), torch.randn(8, 64)
-    opt = quantized(model, level=2)
-    with torch.no_grad():
-        out, expected = opt(x), model(x)
-    assert_as_int4(out, model, x)
-    assert_within_int4_bound(out, expected)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    model, opt = quantized_mlp(2, x)
     (gm,) = opt.graphs()
     # Inductor's decompositions leave the float linears as addmm on the weight's transpose.
     assert len(kernels(gm)) == 2 and sum(n.target in GEMMS for n in gm.graph.nodes) == 2
