@@ -50,7 +50,7 @@ def _inputs(batch: int, round_: int) -> torch.Tensor:
     return torch.randn(batch, 32, generator=torch.Generator().manual_seed(10 * batch + round_))
 
 
-def mlp_stack(rank: int, world: int, level: int) -> dict:
+def mlp_stack(rank: int, world: int, level: int | str) -> dict:
     """The issue's reproduction: max |difference| to the unsharded model over
     every batch and round, and the report's counts."""
     full = _weights()
@@ -65,7 +65,8 @@ def mlp_stack(rank: int, world: int, level: int) -> dict:
                 worst = max(worst, (opt(x) - unsharded(full, x)).abs().max().item())
     report = opt.report()
     return {"difference": worst, "replays": report.replays, "captures": len(report.captures),
-            "fallbacks": list(report.fallbacks), "kinds": sorted(kind.value for kind in report.fallback_counts)}
+            "fallbacks": list(report.fallbacks), "kinds": sorted(kind.value for kind in report.fallback_counts),
+            "choices": [(c["level"], c["reason"]) for c in report.level_choices]}
 
 
 def tape_replays_all_reduce(rank: int) -> list[torch.Tensor]:
@@ -97,7 +98,7 @@ def fused_equals_composition(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def every_check(rank: int, world: int) -> dict:
     results = {"tape": tape_replays_all_reduce(rank), "fused": fused_equals_composition(rank)}
-    for level in (0, 1):
+    for level in (0, 1, "auto"):
         results[f"level {level}"] = mlp_stack(rank, world, level)
     # Rank 1's first host-graph capture fails: every rank must fall back, together.
     if rank == 1:
@@ -131,6 +132,17 @@ def test_sharded_mlps_with_host_graphs_equal_the_unsharded_model(ranks, level):
         found = result[f"level {level}"]
         assert found["difference"] < 1e-4
         assert found["replays"] > 0 and not found["fallbacks"]
+
+
+def test_auto_runs_a_graph_with_collectives_at_level_1_on_every_rank(ranks):
+    """Timing the levels would run each rank's all_reduce a different number of times
+    (a round lasts until its time is up): the ranks would hang or mix up their sums."""
+    for result in ranks:
+        found = result["level auto"]
+        assert found["difference"] < 1e-4 and found["replays"] > 0
+        assert found["choices"] and all(level == 1 and "its graph has collectives" in reason
+                                        for level, reason in found["choices"])
+        assert found["kinds"] == ["level"]
 
 
 def test_fused_all_reduce_add_rms_norm_equals_the_composition(ranks):

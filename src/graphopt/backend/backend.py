@@ -27,6 +27,7 @@ from .._compat import dynamo, inductor, trace_graph
 from .._compat import recompile as compat_recompile
 from .._compat.names import RECOMPILE_LIMIT
 from ..config import AUTO_LEVEL, GraphOptimizationConfig, with_mode
+from ..passes.base import is_collective
 from ..passes.fusion.replacement import Unkeyable
 from ..passes.manager import check_pass_names
 from ..report import FallbackKind, Report
@@ -234,6 +235,13 @@ class Backend:
         self._report.level_choices.append(record)
         if "level" in record:
             return self._runtime_at(gm, example_inputs, record["level"], fingerprint)
+        if any(is_collective(node) for node in gm.graph.nodes):
+            why = ("its graph has collectives: each rank would time its levels for a different number of "
+                   "calls, and the ranks' collectives would no longer match")
+            self._report.fallback(FallbackKind.LEVEL, f"graph_opt_level='auto': graph {record['graph']}: {why}; "
+                                  "level 1 serves it (set graph_opt_level=2 for Inductor)")
+            record.update(level=1, seconds={}, reason=why)
+            return self._runtime_at(gm, example_inputs, 1, fingerprint)
         stateful = tiers.stateful_inputs(dynamo.input_kinds(gm), example_inputs)
         background = tiers.background_compile(device_type(example_inputs), self.config, self.cache.off)
         runtime = tiers.choose(lambda level: self._runtime_at(gm, example_inputs, level, fingerprint)[0], gm,

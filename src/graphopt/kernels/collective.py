@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed  # noqa: F401 - registers the _c10d_functional ops
 
-from .._compat.names import OpOverload
+from .._compat.names import OpOverload, OpOverloadPacket
 from . import define
 from .norm import _add_rms_norm, _add_rms_norm_fake
 
@@ -31,7 +31,10 @@ COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d", "_c10d_functional
 
 def is_collective_op(op: object) -> bool:
     """True for an op that talks to other ranks or waits for them (including
-    graphopt's own fused all-reduce)."""
+    graphopt's own fused all-reduce). Dynamo's graphs name an op by its packet
+    (`_c10d_functional.all_reduce`), AOTAutograd's by its overload."""
+    if isinstance(op, OpOverloadPacket):
+        op = getattr(op, "default", None)
     return isinstance(op, OpOverload) and (
         op.namespace in COLLECTIVE_NAMESPACES or op in FUSED_COLLECTIVES)
 
