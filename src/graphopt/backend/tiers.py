@@ -226,13 +226,20 @@ def _disagreement(runtime: Callable, args: Sequence[Any], expected: list[Any], b
     if len(got) != len(expected):
         return f"returned {len(got)} values where eager returns {len(expected)}"
     if bound is not None:
-        if any(isinstance(e, torch.Tensor) and (g.shape, g.dtype) != (e.shape, e.dtype) for g, e in zip(got, expected)):
-            return "gave an output whose shape or dtype is not eager's"
-        relative = precision.worst_error([e for e in expected if isinstance(e, torch.Tensor)],
-                                         [g for g, e in zip(got, expected) if isinstance(e, torch.Tensor)])[0]
-        return None if relative <= bound else (f"has an error of {relative:.3g} of an output's largest magnitude "
-                                               f"against eager's, over precision_tolerance={bound:g}")
+        return _past_bound(got, expected, bound)
     unequal = candidates.first_unequal(got, expected, equal_nan=True)
     if unequal is not None:
         return f"gave output {unequal} unequal to eager's beyond config.py's tolerances"
     return None
+
+
+def _past_bound(got: list[Any], expected: list[Any], bound: float) -> str | None:
+    """Why the tensors of `got` are not eager's within `bound` (precision_bound's), or None."""
+    pairs = [(g, e) for g, e in zip(got, expected) if isinstance(e, torch.Tensor)]
+    if any((g.shape, g.dtype) != (e.shape, e.dtype) for g, e in pairs):
+        return "gave an output whose shape or dtype is not eager's"
+    relative = precision.worst_error([e for _, e in pairs], [g for g, _ in pairs])[0]
+    if relative <= bound:
+        return None
+    return f"has an error of {relative:.3g} of an output's largest magnitude against eager's, over " \
+           f"precision_tolerance={bound:g}"
