@@ -202,7 +202,8 @@ class Report:
     weight_refreshes: Counter = field(default_factory=Counter)
     memory: list[MemoryRecord] = field(default_factory=list)
     # The `executors` choice per graph: {"graph", "executor" (graphopt or the engine that runs it),
-    # "reason" (why it did not qualify, or what was timed), "seconds" (median per call, each timed)}.
+    # "reason" (why it did not qualify, or what was timed), "seconds" (median per call, each timed),
+    # "precision" (a candidate below float32 -> its error against full precision, as GraphRecord's)}.
     executors: list[dict[str, Any]] = field(default_factory=list)
     # graph_opt_level="auto", per Dynamo graph: {"graph" (its first GraphRecord), "level" chosen (None
     # until its first call), "seconds" (median per call by level), "reason", "cached" (chosen before)}.
@@ -335,6 +336,10 @@ class Report:
         for e in self.executors:
             timed = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in e["seconds"].items())
             lines.append(f"  executor of graph {e['graph']}: {e['executor']} ({timed or e['reason']})")
+            lines.extend(f"    {name} ({err['dtype']}): max abs error {err['max_abs_error']:.3g}, mean "
+                         f"{err['mean_abs_error']:.3g}, {err['relative_error']:.3g} of the output's magnitude"
+                         + (" (over precision_tolerance: not a candidate)" if err["fell_back"] else "")
+                         for name, err in e.get("precision", {}).items())
         if self.captures or self.pieces:
             sizes = ", ".join(str(c.size) for c in self.captures)
             lines.append(f"  device graphs: {len(self.captures)} captured (sizes {sizes or '-'}), pool "

@@ -1,9 +1,16 @@
-"""Executor choice: a stateless graph runs on ONNX Runtime or OpenVINO where that is
+r"""Executor choice: a stateless graph runs on ONNX Runtime or OpenVINO where that is
 faster than graphopt's own compiled graph (the `executors` config key).
 
-    Dynamo graph -> graphopt's runtime for it (level 1 or 2)      -> timed  \
-                 -> torch.onnx.export -> an ONNX Runtime session  -> timed  -> the fastest whose
-                                      -> an OpenVINO CPU model    -> timed  /  outputs equal eager's
+    Dynamo graph -> graphopt's runtime for it (level 1 or 2)        -> timed  \
+                 -> torch.onnx.export -> ONNX Runtime session        -> timed   \  the fastest of those
+                                      -> OpenVINO CPU model, f32     -> timed   /  whose outputs equal eager's
+                                      -> OpenVINO CPU model, bf16    -> timed  /   (bf16: within precision_tolerance)
+                                         (compute_dtype="bfloat16" only)
+
+Each engine runs at the precision the user allowed (engines.py): float32, and with
+compute_dtype="bfloat16" also OpenVINO's bfloat16, judged as the compute_dtype pass is:
+its error against eager's full-precision outputs, recorded in the report, held to
+precision_tolerance.
 
 What is exported is the Dynamo graph, not graphopt's optimized one: the optimized
 graph holds graphopt's custom ops and oneDNN's packed weights (level 1), or is
@@ -20,23 +27,19 @@ graph keeps graphopt's compiled graph.
 
 from __future__ import annotations
 
-import contextlib
-import io
-import logging
-import os
-import tempfile
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .._compat import dynamo, fake, ops
+from .._compat import dynamo, fake, mkldnn, ops
 from .._compat.names import TorchDispatchMode
 from ..config import GraphOptimizationConfig
 from ..kernels.collective import is_collective_op
+from ..passes import precision
 from ..report import FallbackKind, Report, first_line
-from . import candidates
+from . import candidates, engines
 
 # An engine must beat graphopt's median by this much: a tie is not worth leaving torch for.
 MARGIN = 0.95
@@ -61,35 +64,47 @@ def choose(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], runtime: Cal
         record["reason"] = why
         return runtime
     record["reason"] = "not run yet: it is chosen at the first call"
-    choice = Choice(bound, runtime, config.executors, report, record)
+    bfloat16 = config.compute_dtype == "bfloat16" and mkldnn.cpu_has_native_bf16()
+    choice = Choice(bound, runtime, engines.candidates(config.executors, bfloat16), report, record,
+                    config.precision_tolerance)
     repackables.append(choice)
     return choice
 
 
 class Choice:
     """A stateless graph's runtime: at its first call (outside Dynamo's compile, which an
-    export inside would disturb), each engine's export is checked against eager's outputs
-    and timed against graphopt's runtime; the fastest runs every call after."""
+    export inside would disturb), the graph is exported once, each candidate (an engine at
+    a precision) is judged against eager's outputs and timed against graphopt's runtime;
+    the fastest runs every call after. `tolerance` (precision_tolerance) bounds the error
+    of a candidate below float32."""
 
-    def __init__(self, bound: _Bound, runtime: Callable, engines: Sequence[str], report: Report,
-                 record: dict[str, Any]):
-        self.bound, self.runtime, self.engines, self.report, self.record = bound, runtime, engines, report, record
+    def __init__(self, bound: _Bound, runtime: Callable, racers: Sequence[tuple[str, str]], report: Report,
+                 record: dict[str, Any], tolerance: float | None):
+        self.bound, self.runtime, self.racers, self.report, self.record = bound, runtime, racers, report, record
+        self.tolerance = tolerance
         self.run: Callable = self._first
         self.engine: Executor | None = None
+        self.inputs: list = []
 
     def __call__(self, *args: Any) -> Any:
         return self.run(*args)
 
     def _first(self, *args: Any) -> Any:
-        inputs = list(args)
+        self.inputs = list(args)
         with torch.no_grad():
-            expected = list(self.bound.gm(*inputs))
+            expected = list(self.bound.gm(*self.inputs))
             racing: dict[str, Callable] = {"graphopt": self.runtime}
-            for engine in self.engines:
-                executor = _build(engine, self.bound, inputs, self.report)
-                if executor is not None and _agrees(engine, executor, inputs, expected, self.report):
-                    racing[engine] = executor
-            seconds = candidates.median_seconds(racing, inputs, _ROUNDS, _ROUND_SECONDS)
+            model = _export(self.bound, self.inputs, self.report) if self.racers else None
+            for engine, at in self.racers if model is not None else ():
+                executor = _build(engine, at, self.bound, model, self.report)
+                if executor is None:
+                    continue
+                agrees, error = _judged(executor, self.inputs, expected, self.tolerance, self.report)
+                if error is not None:
+                    self.record.setdefault("precision", {})[executor.name] = error
+                if agrees:
+                    racing[executor.name] = executor
+            seconds = candidates.median_seconds(racing, self.inputs, _ROUNDS, _ROUND_SECONDS)
         best = min(seconds, key=lambda name: seconds[name] / (1 if name == "graphopt" else MARGIN))
         self.record.update(executor=best, seconds={k: round(v, 7) for k, v in seconds.items()},
                            reason="fastest of " + ", ".join(seconds) if len(seconds) > 1
@@ -101,7 +116,8 @@ class Choice:
     def repack(self) -> None:
         """refresh(): the engine's initializers are copies of the weights, so export again."""
         if self.engine is not None:
-            self.engine.refresh()
+            model = engines.export(self.bound, [self.inputs[i] for i in self.bound.live], self.bound.dynamic_shapes())
+            self.engine.refresh(model)
 
 
 def _not_stateless(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> str | None:
@@ -215,112 +231,77 @@ def _carrier(size: torch.SymInt, placeholders: list, example_inputs: Sequence[An
 
 
 class Executor:
-    """One engine's run of a Dynamo graph: Dynamo calls it with the graph's arguments."""
+    """One engine's run of a Dynamo graph at one precision: Dynamo calls it with the graph's arguments."""
 
-    def __init__(self, engine: str, bound: _Bound, inputs: list):
-        self.engine, self.bound, self.inputs = engine, bound, inputs
-        self.run: Callable[[list], list] = _session(engine, bound, inputs)
+    def __init__(self, engine: str, precision: str, bound: _Bound, model: bytes):
+        self.engine, self.precision, self.bound = engine, precision, bound
+        self.name = engines.name(engine, precision)
+        self.run: Callable[[list], list] = engines.runner(engine, precision, model)
 
     def __call__(self, *args: Any) -> list[torch.Tensor]:
         return self.run([args[i].detach().numpy() for i in self.bound.live])
 
-    def refresh(self) -> None:
-        self.run = _session(self.engine, self.bound, self.inputs)
+    def refresh(self, model: bytes) -> None:
+        self.run = engines.runner(self.engine, self.precision, model)
 
 
-def _build(engine: str, bound: _Bound, inputs: list, report: Report) -> Executor | None:
+def _export(bound: _Bound, inputs: list, report: Report) -> bytes | None:
+    """The graph as an ONNX model for every engine, or None, with the fallback that says why."""
     try:
-        return Executor(engine, bound, inputs)
+        return engines.export(bound, [inputs[i] for i in bound.live], bound.dynamic_shapes())
     except ImportError as error:
         report.fallback(FallbackKind.EXECUTOR,
-                        f"executors: {engine} is not installed ({error.name}; pip install 'graphopt[{engine}]'); "
+                        f"executors: the ONNX exporter's {error.name} is not installed (pip install onnx onnxscript); "
                         "graphs run on graphopt's compiled code")
     except Exception as error:  # noqa: BLE001 - an export that fails leaves graphopt's graph in place
-        report.fallback(FallbackKind.EXECUTOR, f"executors: a graph could not run on {engine} ({type(error).__name__}: "
-                        f"{first_line(error)[:300]}); "
-                        "it runs on graphopt's compiled code")
+        report.fallback(FallbackKind.EXECUTOR, f"executors: a graph could not be exported to ONNX "
+                        f"({type(error).__name__}: {first_line(error)[:300]}); it runs on graphopt's compiled code")
     return None
 
 
-def _session(engine: str, bound: _Bound, inputs: list) -> Callable[[list], list]:
-    live = tuple(inputs[i] for i in bound.live)
-    import onnx  # noqa: F401  (the exporter needs onnx and onnxscript)
-    import onnxscript  # noqa: F401
-
-    with quiet_export(), fake.outside_fake_mode(), torch.no_grad():
-        program = torch.onnx.export(bound, live, dynamo=True, dynamic_shapes=bound.dynamic_shapes())
-    model = program.model_proto.SerializeToString()
-    threads = torch.get_num_threads()  # the threads torch would use: a fair race
-    return _onnxruntime(model, threads) if engine == "onnxruntime" else openvino_runner(model, threads)
-
-
-def _onnxruntime(model: bytes, threads: int) -> Callable[[list], list]:
-    session = onnxruntime_session(model, threads)
-    names = [i.name for i in session.get_inputs()]
-    return lambda arrays: [torch.from_numpy(o) for o in session.run(None, dict(zip(names, arrays)))]
+def _build(engine: str, precision: str, bound: _Bound, model: bytes, report: Report) -> Executor | None:
+    try:
+        return Executor(engine, precision, bound, model)
+    except ImportError as error:
+        report.fallback(FallbackKind.EXECUTOR,
+                        f"executors: {engine} is not installed ({error.name}; pip install {engine}); "
+                        "graphs run on graphopt's compiled code")
+    except Exception as error:  # noqa: BLE001 - an engine that refuses the model leaves graphopt's graph in place
+        report.fallback(FallbackKind.EXECUTOR, f"executors: a graph could not run on {engines.name(engine, precision)} "
+                        f"({type(error).__name__}: {first_line(error)[:300]}); it runs on graphopt's compiled code")
+    return None
 
 
-def onnxruntime_session(model: bytes, threads: int, options: Any = None) -> Any:
-    """An ONNX Runtime CPU session of an ONNX model at ORT_ENABLE_ALL on `threads` threads
-    (on top of `options`, a SessionOptions, when given)."""
-    import onnxruntime
-
-    options = options or onnxruntime.SessionOptions()
-    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.intra_op_num_threads = threads
-    # ORT's idle threads spin by default, which takes the cores from torch's own ops
-    # (and from whichever contender runs next in a benchmark's round).
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
-    return onnxruntime.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-
-
-def openvino_runner(model: bytes, threads: int) -> Callable[[list], list]:
-    """An ONNX model compiled by OpenVINO's CPU plugin, in float32, on `threads` threads:
-    numpy arrays in, torch tensors out."""
-    import openvino
-
-    core = openvino.Core()
-    with tempfile.TemporaryDirectory() as folder:  # OpenVINO reads an ONNX model from a file
-        path = os.path.join(folder, "graph.onnx")
-        with open(path, "wb") as f:
-            f.write(model)
-        compiled = core.compile_model(core.read_model(path), "CPU", {"INFERENCE_NUM_THREADS": str(threads),
-                                                                 # its default on CPUs with bf16 units is bf16
-                                                                 "INFERENCE_PRECISION_HINT": "f32"})
-    request = compiled.create_infer_request()
-    # The request's output buffers are its own, overwritten by the next run: copied out.
-    return lambda arrays: [torch.from_numpy(o.copy()) for o in request.infer(arrays).values()]
-
-
-def _agrees(engine: str, executor: Executor, inputs: list, expected: list, report: Report) -> bool:
-    """Whether the engine's outputs equal eager's within config.py's tolerances."""
+def _judged(executor: Executor, inputs: list, expected: list, tolerance: float | None,
+            report: Report) -> tuple[bool, dict[str, Any] | None]:
+    """Whether the engine may run the graph: in float32, its outputs equal eager's within
+    config.py's tolerances; lower, its error against eager's (full precision, as the
+    compute_dtype pass measures its own) is within `tolerance`, precision_tolerance. With
+    that error, for the report (None in float32)."""
     try:
         got = executor(*inputs)
     except Exception as error:  # noqa: BLE001
-        report.fallback(FallbackKind.EXECUTOR,
-                        f"executors: {engine} failed to run a graph ({type(error).__name__}); it runs on "
-                        "graphopt's compiled code")
-        return False
-    unequal = candidates.first_unequal(got, expected)
-    if unequal is not None:
-        report.fallback(FallbackKind.EXECUTOR,
-                        f"executors: {engine}'s output {unequal} of a graph differs from eager's beyond config.py's "
-                        "tolerances; it runs on graphopt's compiled code")
-        return False
-    return len(got) == len(expected)
-
-
-@contextlib.contextmanager
-def quiet_export() -> Iterator[None]:
-    """The exporter prints its progress and logs warnings that concern no user."""
-    loggers = [logging.getLogger(name) for name in ("torch.onnx", "onnxscript", "onnx_ir")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
+        report.fallback(FallbackKind.EXECUTOR, f"executors: {executor.name} failed to run a graph "
+                        f"({type(error).__name__}); it runs on graphopt's compiled code")
+        return False, None
+    pairs = [(g, e) for g, e in zip(got, expected) if isinstance(e, torch.Tensor)]
+    if len(got) != len(expected) or any((g.shape, g.dtype) != (e.shape, e.dtype) for g, e in pairs):
+        report.fallback(FallbackKind.EXECUTOR, f"executors: {executor.name}'s outputs of a graph are not eager's in "
+                        "number, shape or dtype; it runs on graphopt's compiled code")
+        return False, None
+    if executor.precision == "f32":
+        unequal = candidates.first_unequal(got, expected)
+        if unequal is not None:
+            report.fallback(FallbackKind.EXECUTOR,
+                            f"executors: {executor.name}'s output {unequal} of a graph differs from eager's beyond "
+                            "config.py's tolerances; it runs on graphopt's compiled code")
+        return unequal is None, None
+    relative, largest, mean = precision.worst_error([e for _, e in pairs], [g for g, _ in pairs])
+    error = {"dtype": engines.DTYPES[executor.precision], "max_abs_error": largest, "mean_abs_error": mean,
+             "relative_error": relative, "tolerance": tolerance,
+             "fell_back": tolerance is not None and not relative <= tolerance}
+    if error["fell_back"]:
+        report.fallback(FallbackKind.EXECUTOR, f"executors: {executor.name}'s error against full precision, max abs "
+                        f"{largest:.3g}, is {relative:.3g} of an output's largest magnitude, over "
+                        f"precision_tolerance={tolerance:g}; it is not a candidate for this graph")
+    return not error["fell_back"], error

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..api.optimize import optimize
-from ..backend.executors import onnxruntime_session, openvino_runner, quiet_export
+from ..backend.engines import onnxruntime_session, openvino_runner, quiet_export
 from ..config import GraphOptimizationConfig
 from ..config_checks import EXECUTORS
 from ..report import FallbackKind, Report
