@@ -333,13 +333,7 @@ class Report:
         lines.extend(f"  frozen weights changed, refreshed {n} time(s): {why}"
                      for why, n in self.weight_refreshes.items())
         lines.extend(_choice_line(c) for c in self.level_choices)
-        for e in self.executors:
-            timed = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in e["seconds"].items())
-            lines.append(f"  executor of graph {e['graph']}: {e['executor']} ({timed or e['reason']})")
-            lines.extend(f"    {name} ({err['dtype']}): max abs error {err['max_abs_error']:.3g}, mean "
-                         f"{err['mean_abs_error']:.3g}, {err['relative_error']:.3g} of the output's magnitude"
-                         + (" (over precision_tolerance: not a candidate)" if err["fell_back"] else "")
-                         for name, err in e.get("precision", {}).items())
+        lines.extend(line for e in self.executors for line in _executor_lines(e))
         if self.captures or self.pieces:
             sizes = ", ".join(str(c.size) for c in self.captures)
             lines.append(f"  device graphs: {len(self.captures)} captured (sizes {sizes or '-'}), pool "
@@ -373,6 +367,16 @@ def _choice_line(choice: dict[str, Any]) -> str:
     timed = ", ".join(f"level {k} {v * 1e6:.0f} us" for k, v in choice["seconds"].items() if v)
     cached = ", chosen in an earlier process" if choice.get("cached") else ""
     return head + f"{choice['level']} ({choice['reason']}{'; ' + timed if timed else ''}{cached})"
+
+
+def _executor_lines(e: dict[str, Any]) -> list[str]:
+    """A graph's executor and each candidate's median; a candidate below float32's error."""
+    timed = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in e["seconds"].items())
+    return [f"  executor of graph {e['graph']}: {e['executor']} ({timed or e['reason']})",
+            *(f"    {name} ({err['dtype']}): max abs error {err['max_abs_error']:.3g}, mean "
+              f"{err['mean_abs_error']:.3g}, {err['relative_error']:.3g} of the output's magnitude"
+              + (" (over precision_tolerance: not a candidate)" if err["fell_back"] else "")
+              for name, err in e.get("precision", {}).items())]
 
 
 def _precision_line(error: dict[str, Any]) -> str:
