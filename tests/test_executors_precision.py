@@ -128,3 +128,28 @@ def test_openvino_bf16_past_precision_tolerance_is_not_a_candidate(fastest):
     (why,) = [f for f in report.fallbacks if "openvino-bf16" in f]
     assert "over precision_tolerance=1e-07" in why and "not a candidate" in why
     assert report.fallback_counts[FallbackKind.EXECUTOR] == 1
+
+
+@pytest.mark.parametrize("first,again,picked", [
+    ({"graphopt": 1.0, "onnxruntime": 0.96}, {"graphopt": 1.0, "onnxruntime": 0.8}, "onnxruntime"),
+    ({"graphopt": 1.0, "onnxruntime": 0.9}, {"graphopt": 1.0, "onnxruntime": 1.2}, "graphopt"),
+    ({"graphopt": 2.0, "onnxruntime": 1.0}, None, "onnxruntime"),
+])
+def test_a_close_race_is_timed_again_over_more_rounds(first, again, picked, monkeypatch):
+    for name in ("onnx", "onnxscript", "onnxruntime"):
+        pytest.importorskip(name)
+    calls = []
+
+    def timed(racing, inputs, rounds, *timing):
+        calls.append((set(racing), rounds))
+        return dict(first if len(calls) == 1 else again)
+    monkeypatch.setattr(executors.candidates, "median_seconds", timed)
+    model, x = mlp()
+    step = optimized(copy.deepcopy(model), engines_=("onnxruntime",))
+    with torch.inference_mode():
+        assert_close_tree(step(x), model(x), f"{picked} picked")
+    (record,) = step.report().executors
+    assert record["executor"] == picked
+    assert calls[0] == ({"graphopt", "onnxruntime"}, executors._ROUNDS)
+    assert calls[1:] == ([({"graphopt", "onnxruntime"}, executors._CLOSE_ROUNDS)] if again else [])
+    assert record["seconds"] == (again or first)
