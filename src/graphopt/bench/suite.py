@@ -30,6 +30,7 @@ from .contenders import (
     graph_figures,
     report_of,
 )
+from .llm import copy_bandwidth
 from .measure import (
     EAGER,
     HALF_ERROR_FACTOR,
@@ -45,7 +46,6 @@ from .measure import (
     warm_up,
 )
 from .profile import profile_case
-from .llm import copy_bandwidth
 from .startup import measure_startup
 from .workloads import Case, Sizes, Step
 from .zoo import ZooUnavailable, chosen, factory
