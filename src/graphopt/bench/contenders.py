@@ -17,7 +17,7 @@ from ..api.optimize import optimize
 from ..backend.engines import onnxruntime_session, openvino_runner, quiet_export
 from ..config import GraphOptimizationConfig
 from ..config_checks import EXECUTORS
-from ..report import FallbackKind, Report
+from ..report import FallbackKind, Report, first_line
 from .measure import GraphFigures
 from .workloads import Step, Workload
 
@@ -43,13 +43,20 @@ class Contender:
     trusted: bool = False     # guards="inputs": only the guards on the step's arguments are checked
     defaults: bool = False    # optimize(model) with no config: what a user gets without options
     compute_dtype: str | None = None        # lower-precision math (frozen weights converted once)
-    weight_quantization: str | None = None  # weight-only quantized linears (frozen weights)
+    weight_quantization: str | None = None  # weight-only quantized linears (frozen weights; torchao's too)
+    model_dtype: str | None = None          # the model cast to it before compiling
+    tolerance: float | None = None          # graphopt's precision_tolerance, and the bound its error is judged by
 
     @property
     def lowered(self) -> bool:
         """Whether it computes in less than the model's precision: its outputs are judged by
         their error against eager's, not by eager's rounding."""
-        return self.compute_dtype is not None or self.weight_quantization is not None
+        return any(x is not None for x in (self.compute_dtype, self.weight_quantization, self.model_dtype))
+
+    @property
+    def weight_format(self) -> str | None:
+        """The format its linears' weights are read in; None: the model's own."""
+        return self.weight_quantization or self.compute_dtype or self.model_dtype
 
     @property
     def competitor(self) -> bool:
@@ -65,7 +72,11 @@ TUNED = {"cpu": {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 # Left out of a run unless named (the zoo runs them by default): they would lengthen
 # every workload's run and table.
-OPT_IN = ("compile-max", "default", "auto", "L1+int8", "L2+bf16")
+OPT_IN = ("compile-max", "default", "auto", "L1+int8", "L2+bf16", "compile-bf16", "torchao-int8", "torchao-int4",
+          "L2+int8", "L2+int4")
+# On random weights int4's error is a sizeable share of the logits' magnitude: past graphopt's default
+# precision_tolerance, which would undo it. Its contender accepts this much, and the table shows the error.
+INT4_TOLERANCE = 0.5
 # The fallbacks that change how a step's device graphs run, which `describe` lists below the table.
 DEVICE_GRAPH_KINDS = (FallbackKind.NO_DEVICE_GRAPH, FallbackKind.CAPTURE_REFUSED, FallbackKind.EXACT_SIZE,
                       FallbackKind.SLOW_REPLAY)
@@ -82,6 +93,11 @@ def contenders(device: str) -> list[Contender]:
     # Inductor's autotuned kernels without its CUDA graphs: the zoo's second torch.compile.
     found.append(Contender("compile-max", "torch.compile max-autotune", "torch.compile",
                            mode="max-autotune-no-cudagraphs"))
+    # Fewer bytes per weight the way users get them from torch: a bfloat16 model, torchao's weight-only formats.
+    found.append(Contender("compile-bf16", "torch.compile bfloat16", "torch.compile", model_dtype="bfloat16"))
+    for fmt in ("int8", "int4"):
+        found.append(Contender(f"torchao-{fmt}", f"torchao {fmt} + torch.compile", "torchao",
+                               weight_quantization=fmt, tolerance=INT4_TOLERANCE if fmt == "int4" else None))
     # What a user gets with no options: level "auto" with device graphs, the default capture sizes.
     found.append(Contender("default", "graphopt default", "graphopt", "auto", True, defaults=True))
     # Level "auto" on the workload's own config (its capture sizes): what a server sets.
@@ -106,6 +122,10 @@ def contenders(device: str) -> list[Contender]:
                            weight_quantization="int8"))
     found.append(Contender("L2+bf16", "graphopt L2 bfloat16 math", "graphopt", 2, frozen=True,
                            compute_dtype="bfloat16"))
+    found.append(Contender("L2+int8", "graphopt L2 int8 weights", "graphopt", 2, frozen=True,
+                           weight_quantization="int8"))
+    found.append(Contender("L2+int4", "graphopt L2 int4 weights", "graphopt", 2, frozen=True,
+                           weight_quantization="int4", tolerance=INT4_TOLERANCE))
     if cuda:  # frozen weights let Q/K/V and gate/up run as one GEMM each: what pays on a GPU
         found.append(Contender("L2+frozen+graphs", f"graphopt L2 frozen + {graphs}", "graphopt", 2, True,
                                frozen=True))
@@ -125,7 +145,10 @@ def build(contender: Contender, workload: Workload, device: str) -> Step:
     if contender.kind == "eager":
         return workload.bind(lambda target: target)
     if contender.kind == "torch.compile":
-        return workload.bind(lambda target: torch.compile(target, mode=contender.mode))
+        dtype = getattr(torch, contender.model_dtype) if contender.model_dtype else None
+        return workload.bind(lambda target: torch.compile(target, mode=contender.mode), dtype)
+    if contender.kind == "torchao":
+        return _torchao(contender, workload, device)
     if contender.defaults:
         return workload.bind(lambda target: optimize(target, pad_values=workload.pad_values))
     if contender.kind == "graphopt":
@@ -139,6 +162,8 @@ def build(contender: Contender, workload: Workload, device: str) -> Step:
             extra["guards"] = "inputs"
         if contender.lowered:
             extra.update(compute_dtype=contender.compute_dtype, weight_quantization=contender.weight_quantization)
+            if contender.tolerance is not None:
+                extra["precision_tolerance"] = contender.tolerance
         sizes = "auto" if contender.auto_sizes else workload.capture_sizes
         config = GraphOptimizationConfig(graph_opt_level=contender.level, use_cudagraph=contender.device_graphs,
                                          cudagraph_capture_sizes=sizes, **extra)
@@ -167,6 +192,24 @@ def build(contender: Contender, workload: Workload, device: str) -> Step:
     except ImportError as error:
         raise Unavailable(f"{error.name} is not installed (pip install 'graphopt[bench]')") from None
     return workload.bind(OnnxStep)
+
+
+def _torchao(contender: Contender, workload: Workload, device: str) -> Step:
+    """torchao's weight-only `quantize_` on the model's copy, then `torch.compile`, for a
+    workload that decodes (llm.py); left out with the reason where torchao does not import."""
+    from . import llm
+
+    if workload.first_token is None:
+        raise Unavailable("run on the decoding workloads only (decoder-1b)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return llm.torchao_step(workload, contender.weight_quantization, device)
+    except ImportError as error:
+        raise Unavailable(f"torchao does not import here ({first_line(error)[:120]}); pip install "
+                          "'graphopt[bench]'") from None
+    except Exception as error:  # noqa: BLE001 - a torchao that cannot quantize this model loses its row only
+        raise Unavailable(f"torchao's quantize_ failed: {type(error).__name__}: {first_line(error)[:160]}") from None
 
 
 def _openvino(workload: Workload, device: str) -> Step:

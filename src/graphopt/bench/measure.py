@@ -71,6 +71,9 @@ class Row:
     graphs: GraphFigures | None = None        # graphopt with device graphs: what they did
     choice: str = ""                          # graphopt: its level and each graph's fused ops (zoo.chosen)
     relative_error: float | None = None       # lowered precision: max |diff| / max |eager's output|
+    agreement: float | None = None            # lowered precision, decoding: greedy tokens equal to eager's
+    weight_format: str = ""                   # decoding: the format its weights are read in
+    bandwidth_floor_us: float | None = None   # decoding: that format's bytes per run / the copy bandwidth
 
     @property
     def median_us(self) -> float:
@@ -100,6 +103,7 @@ class CaseResult:
     best_competitor: str = ""
     profiles: dict[str, dict[str, float]] = field(default_factory=dict)  # --profile: contender -> class shares
     graph_table: bool = False     # the case is a trace: its rows' GraphFigures get a table of their own
+    bandwidth_how: str = ""       # decoding: how the rows' bandwidth floors were found
 
 
 def output_tolerance(dtype: torch.dtype) -> tuple[float, float]:
@@ -252,10 +256,11 @@ def gemm_floor(case: Case, device: str) -> tuple[Step | None, float | None, str]
 
 
 def hbm_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
-    """Bytes per second of a device-to-device copy (it reads and writes each byte once)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    """Bytes per second of a copy within `device`'s memory (it reads and writes each byte once)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)  # written: untouched pages would read as zeros
     dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for _ in range(3):
         dst.copy_(src)
-    seconds = min(seconds_per_call(lambda: dst.copy_(src), torch.cuda.synchronize, 10) for _ in range(3))
+    seconds = min(seconds_per_call(lambda: dst.copy_(src), sync, 10) for _ in range(3))
     return 2 * nbytes / seconds

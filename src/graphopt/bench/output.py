@@ -67,9 +67,13 @@ def result_cells(results: list[CaseResult], wide: bool = False) -> Cells:
     terminal needs; `wide` adds best time, throughput, warm-up and the output check."""
     floors = any(r.floor_us for r in results)
     lowered = any(row.relative_error is not None for r in results for row in r.rows)
+    decoding = any(row.bandwidth_floor_us for r in results for row in r.rows)
+    agreement = any(row.agreement is not None for r in results for row in r.rows)
     headers = ["case", "contender", "median"] + (["best", "throughput"] if wide else [])
     headers += ["vs eager", "vs best competitor"] + (["vs GEMM floor"] if floors else [])
+    headers += (["throughput"] if not wide else []) + ["weights", "bandwidth floor", "of floor"] if decoding else []
     headers += ["error vs eager"] if lowered else []
+    headers += ["tokens = eager"] if agreement else []
     headers += (["warm-up", "outputs = eager"] if wide else []) + ["note"]
     table = Cells(headers)
     for result in results:
@@ -84,6 +88,8 @@ def result_cells(results: list[CaseResult], wide: bool = False) -> Cells:
                      else ratio(row.vs_competitor, row, best),
                      "warm-up": f"{row.warmup_s:.1f} s", "outputs = eager": equality(row),
                      "error vs eager": lowered_error_cell(row),
+                     **floor_cells(result, row, table, first=i == 0),
+                     "tokens = eager": "" if row.agreement is None else f"{row.agreement:.0%}",
                      "note": note(row, table, wide)}
             table.rows.append([cells[header] for header in headers])
             table.mismatched.append(not row.outputs_equal)
@@ -104,6 +110,17 @@ def note(row: Row, table: Cells, wide: bool) -> str:
     return " ".join(parts + [table.refer(row.reasons)]).strip()
 
 
+def floor_cells(result: CaseResult, row: Row, table: Cells, first: bool) -> dict[str, str]:
+    """A decoding row's weight format, the throughput its format's memory-bandwidth floor
+    allows (how it was found: a note on the case's first row) and its share of that."""
+    if row.bandwidth_floor_us is None:
+        return {}
+    marker = table.refer([result.bandwidth_how]) if first else ""
+    return {"weights": row.weight_format,
+            "bandwidth floor": f"{result.items / (row.bandwidth_floor_us * 1e-6):,.0f} {result.unit}/s{marker}",
+            "of floor": f"{row.bandwidth_floor_us / row.median_us:.0%}"}
+
+
 def lowered_error_cell(row: Row) -> str:
     """A lower-precision row's error: its largest difference from eager's output, and that
     as a fraction of the output's largest magnitude (what precision_tolerance bounds)."""
@@ -121,13 +138,16 @@ def equality(row: Row) -> str:
 def startup_cells(startup: dict[str, dict[str, Any]], device: str) -> Cells:
     """A workload's start-up runs; a failed run's error is a numbered note."""
     memory = "peak allocated" if device.startswith("cuda") else "peak RSS"
-    table = Cells(["contender", "cold start", "warm start", f"{memory} (cold)"])
+    tokens = any("first_token_cold_s" in found for found in startup.values())
+    table = Cells(["contender", "cold start", "warm start", f"{memory} (cold)"]
+                  + (["first token, cold", "first token, warm"] if tokens else []))
     for name, found in startup.items():
         if "error" in found:
-            table.rows.append([name, f"failed {table.refer([found['error']])}", "", ""])
+            cells = [name, f"failed {table.refer([found['error']])}"]
         else:
-            table.rows.append([name, f"{found['cold_s']:.1f} s", f"{found['warm_s']:.1f} s",
-                               f"{found['peak_mib']:,.0f} MiB"])
+            cells = [name, f"{found['cold_s']:.1f} s", f"{found['warm_s']:.1f} s", f"{found['peak_mib']:,.0f} MiB"]
+            cells += [f"{found[k]:.1f} s" for k in ("first_token_cold_s", "first_token_warm_s") if k in found]
+        table.rows.append(cells + [""] * (len(table.headers) - len(cells)))
         table.mismatched.append(False)
     return table
 
@@ -225,14 +245,15 @@ def to_json(setup: dict[str, Any], workloads: dict[str, dict[str, Any]]) -> str:
     ratios, output check and note), its start-up runs and its skipped contenders."""
     def case(result: CaseResult) -> dict[str, Any]:
         return {"case": result.case, "unit": result.unit, "items_per_run": result.items,
-                "floor_us": result.floor_us, "floor_how": result.floor_how,
+                "floor_us": result.floor_us, "floor_how": result.floor_how, "bandwidth_how": result.bandwidth_how,
                 "best_competitor": result.best_competitor,
                 "rows": [{"contender": r.contender, "competitor": r.competitor, "median_us": r.median_us,
                           "best_us": r.best_us, "times_us": [round(t, 2) for t in r.times_us],
                           "vs_eager": r.vs_eager, "vs_best_competitor": r.vs_competitor,
                           "vs_floor": r.vs_floor, "spread": round(r.spread, 4), "noisy": r.noisy,
                           "outputs_equal": r.outputs_equal, "max_abs_diff": r.max_diff,
-                          "relative_error": r.relative_error,
+                          "relative_error": r.relative_error, "token_agreement": r.agreement,
+                          "weight_format": r.weight_format, "bandwidth_floor_us": r.bandwidth_floor_us,
                           "note": r.note, "reasons": r.reasons, "warmup_s": r.warmup_s, "choice": r.choice,
                           "graphs": None if r.graphs is None else {**asdict(r.graphs), "replayed_share":
                                                                     r.graphs.replayed_share}}

@@ -6,7 +6,8 @@ into it): the first run is cold, the second finds whatever the first one cached.
 The child builds the workload, builds the contender's step, runs the workload's
 first case once and reports the seconds from its launch to that first output, and
 its peak memory: the process's peak RSS on CPU, `torch.cuda.max_memory_allocated`
-on CUDA."""
+on CUDA. A decoding workload (one with `first_token`) also gets the seconds to its
+first token, which the first call's compiling decides."""
 
 from __future__ import annotations
 
@@ -41,8 +42,11 @@ def measure_startup(workload: str, contender: str, quick: bool, device: str, thr
                 last = (done.stderr.strip().splitlines() or ["no output"])[-1]
                 return {"error": f"exit {done.returncode}: {last}"}
             runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    return {"cold_s": runs[0]["first_output_s"], "warm_s": runs[1]["first_output_s"],
-            "peak_mib": runs[0]["peak_mib"]}
+    found = {"cold_s": runs[0]["first_output_s"], "warm_s": runs[1]["first_output_s"],
+             "peak_mib": runs[0]["peak_mib"]}
+    if "first_token_s" in runs[0]:
+        found.update(first_token_cold_s=runs[0]["first_token_s"], first_token_warm_s=runs[1]["first_token_s"])
+    return found
 
 
 def _child(argv: list[str] | None = None) -> None:
@@ -65,14 +69,20 @@ def _child(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     contender = next(c for c in contenders(args.device) if c.key == args.contender)
     workload = factory(args.workload)(Sizes(args.quick, args.device, args.dtype))
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    found = {}
     with torch.inference_mode():
-        output = workload.cases[0].runner(build(contender, workload, args.device))()
-    if args.device.startswith("cuda"):
-        torch.cuda.synchronize()
-    first_output_s = time.time() - launched_at
+        step = build(contender, workload, args.device)
+        if workload.first_token is not None:  # a decoder: its first token, then the first case's output
+            workload.first_token(step)
+            sync()
+            found["first_token_s"] = time.time() - launched_at
+        output = workload.cases[0].runner(step)()
+    sync()
+    found["first_output_s"] = time.time() - launched_at
     del output
     peak = torch.cuda.max_memory_allocated() if args.device.startswith("cuda") else peak_rss()
-    print(json.dumps({"first_output_s": first_output_s, "peak_mib": peak / 2**20}))
+    print(json.dumps({**found, "peak_mib": peak / 2**20}))
 
 
 def peak_rss() -> int:

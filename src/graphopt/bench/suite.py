@@ -5,6 +5,7 @@ one's start-up and peak memory are measured in fresh processes."""
 from __future__ import annotations
 
 import datetime
+import gc
 import platform
 import statistics
 import time
@@ -29,10 +30,12 @@ from .contenders import (
     graph_figures,
     report_of,
 )
+from .llm import copy_bandwidth
 from .measure import (
     EAGER,
     HALF_ERROR_FACTOR,
     CaseResult,
+    GraphFigures,
     Row,
     compare,
     fill_ratios,
@@ -68,6 +71,7 @@ class Options:
     command: str = "graphopt bench"  # the command line, as the docs' measured section cites it
     precision: str | None = None     # --dtype: the workloads' dtype (None: the device's default)
     profile: bool = False            # --profile: each contender's time by op class (profile.py)
+    named: bool = True               # the contenders were named: else a workload with its own list runs that
 
     @property
     def target_s(self) -> float:
@@ -105,6 +109,8 @@ def _workload(name: str, chosen: list[Contender], options: Options, tick: Callab
     except ZooUnavailable as why:
         return WorkloadResult(name, name, skipped={"every contender": str(why)})
     result = WorkloadResult(name, workload.title)
+    if not options.named and workload.contenders is not None:
+        chosen = [c for c in contenders(options.device) if c.key in workload.contenders]
     steps, kinds = {}, {c.name: c for c in chosen}
     for contender in chosen:
         try:
@@ -116,8 +122,12 @@ def _workload(name: str, chosen: list[Contender], options: Options, tick: Callab
         result.cases.append(_case(case, steps, kinds, options, result.skipped,
                                   lambda what: tick(f"{case.name}: {what}"), more, truth))
     if options.startup:
-        more(2 * len(steps))
-        for contender_name in steps:
+        names = list(steps)
+        steps.clear()  # each child builds its own model: this process's copies are freed first
+        del workload, truth
+        gc.collect()
+        more(2 * len(names))
+        for contender_name in names:
             tick(f"start-up: {contender_name}, cold and warm, in fresh processes")
             result.startup[contender_name] = measure_startup(name, kinds[contender_name].key, options.quick,
                                                              options.device, options.threads, options.precision)
@@ -161,21 +171,44 @@ def _case(case: Case, steps: dict[str, Step], kinds: dict[str, Contender], optio
         floor_us = statistics.median(times.pop("GEMM floor"))
     result = CaseResult(case.name, case.unit, case.items, floor_us=floor_us, floor_how=floor_how,
                         graph_table=case.graph_table)
-    for name, step in steps.items():
-        relative = None
-        if kinds[name].lowered:
-            equal, diff, relative = lowered_error(outputs[name], outputs[EAGER], LOWERED_BOUND)
-        else:
-            equal, diff = (True, 0.0) if name == EAGER else compare(outputs[name], outputs[EAGER], truth)
-        note, reasons = describe(step, kinds[name])
-        choice = chosen(report_of(step)) if kinds[name].kind == "graphopt" else ""
-        result.rows.append(Row(name, kinds[name].competitor, times[name], equal, diff, note, reasons,
-                               warmup_s[name], graphs=graphs[name], choice=choice, relative_error=relative))
+    _add_rows(result, case, steps, kinds, options, outputs, truth, times, warmup_s, graphs)
     fill_ratios(result)
     if options.profile:
         tick("profiling by op class")
         result.profiles = _profiles(case, steps, kinds, runs, options)
     return result
+
+
+def _add_rows(result: CaseResult, case: Case, steps: dict[str, Step], kinds: dict[str, Contender],
+              options: Options, outputs: dict[str, Any], truth: Any, times: dict[str, list[float]],
+              warmup_s: dict[str, float], graphs: dict[str, GraphFigures | None]) -> None:
+    """A row per step: its times, its output judged against eager's (a lowered one by its
+    error, within its contender's tolerance or LOWERED_BOUND) and, for a case that reads
+    weights per step, its weight format's memory-bandwidth floor."""
+    bandwidth = None
+    if case.weight_bytes is not None:
+        bandwidth, result.bandwidth_how = copy_bandwidth(options.device, options.quick)
+    for name, step in steps.items():
+        relative, agreement = None, None
+        if kinds[name].lowered:
+            bound = kinds[name].tolerance or LOWERED_BOUND
+            equal, diff, relative, agreement = (case.judge or _judge)(outputs[name], outputs[EAGER], bound)
+        else:
+            equal, diff = (True, 0.0) if name == EAGER else compare(outputs[name], outputs[EAGER], truth)
+        note, reasons = describe(step, kinds[name])
+        choice = chosen(report_of(step)) if kinds[name].kind == "graphopt" else ""
+        row = Row(name, kinds[name].competitor, times[name], equal, diff, note, reasons, warmup_s[name],
+                  graphs=graphs[name], choice=choice, relative_error=relative, agreement=agreement)
+        if bandwidth is not None:
+            # The rows that keep the model's precision read its weights in the dtype eager runs.
+            row.weight_format = kinds[name].weight_format or str(
+                next(steps[EAGER].parameters()).dtype).removeprefix("torch.")
+            row.bandwidth_floor_us = case.weight_bytes(row.weight_format) / bandwidth * 1e6
+        result.rows.append(row)
+
+
+def _judge(output: Any, reference: Any, bound: float) -> tuple[bool, float, float, None]:
+    return (*lowered_error(output, reference, bound), None)
 
 
 def _profiles(case: Case, steps: dict[str, Step], kinds: dict[str, Contender], runs: dict[str, Callable],

@@ -35,6 +35,12 @@ class Case:
     gemm_weights: list[torch.Tensor] = field(default_factory=list)  # set for a decode step: its GEMM floor
     gemm_batch: int = 0
     graph_table: bool = False  # a trace: graphopt's device graphs on it get a table of their own
+    # Set for decoding: bytes of weights one run reads in a weight format ("float32", "int8", ...),
+    # for each row's memory-bandwidth floor.
+    weight_bytes: Callable[[str], int] | None = None
+    # Set where a lowered row is judged otherwise than by `measure.lowered_error` on the whole
+    # output: (output, eager's, bound) -> (within bound, max |diff|, relative error, token agreement).
+    judge: Callable[[Any, Any, float], tuple[bool, float, float, float | None]] | None = None
 
     def runner(self, step: Step, dtype: torch.dtype | None = None) -> Callable[[], Any]:
         """One run of this case by `step`, on its own copy of the inputs: graphopt
@@ -65,6 +71,12 @@ class Workload:
     exact: bool = False                  # outputs are tokens: equal, not close
     onnx_unsupported: str | None = None  # why ONNX Runtime cannot run it, when it cannot
     wraps_forward: bool = False
+    # How a contender's copy of the model is made, in the model's dtype (None) or another;
+    # default: a deep copy (cast with .to(dtype)).
+    make_copy: Callable[[nn.Module, torch.dtype | None], nn.Module] | None = None
+    # Runs a step to its first token (start-up's time to the first token), where the cases decode.
+    first_token: Callable[[Step], Any] | None = None
+    contenders: tuple[str, ...] | None = None  # the contenders it runs unless --contenders names others
 
     def in_float32(self) -> Step | None:
         """The model run eagerly in float32, when it runs in half precision: the truth
@@ -73,11 +85,14 @@ class Workload:
             return None
         return copy.deepcopy(self.model).float()
 
-    def bind(self, wrap: Callable[[Callable], Step]) -> Step:
+    def bind(self, wrap: Callable[[Callable], Step], dtype: torch.dtype | None = None) -> Step:
         """A contender's step. Every contender gets its own copy of the model (same
         weights, own KV cache), so one contender's compiled graphs, guards and cache
-        writes never meet another's."""
-        model = copy.deepcopy(self.model)
+        writes never meet another's; in `dtype` where given."""
+        if self.make_copy is not None:
+            model = self.make_copy(self.model, dtype)
+        else:
+            model = copy.deepcopy(self.model) if dtype is None else copy.deepcopy(self.model).to(dtype)
         if self.wraps_forward:
             model.forward = wrap(model.forward)
             return model
@@ -290,6 +305,13 @@ def serving(sizes: Sizes) -> Workload:
     return trace_workload(sizes)
 
 
+def decoder_1b(sizes: Sizes) -> Workload:
+    """The ~1B decoder's greedy decoding at batch 1 and 8 (llm.py)."""
+    from .llm import decoder_1b as billion
+
+    return billion(sizes)
+
+
 def serving_small(sizes: Sizes) -> Workload:
     """The same at smaller sizes, half of them below 8 rows (serving.py)."""
     from .serving import SMALL_SIZES
@@ -300,6 +322,7 @@ def serving_small(sizes: Sizes) -> Workload:
 
 WORKLOADS: dict[str, Callable[[Sizes], Workload]] = {
     "decoder": decoder, "hf-llama": hf_llama, "resnet": resnet, "bert": bert,
-    "resnet18": resnet18, "bert-base": bert_base, "serving": serving, "serving-small": serving_small}
+    "resnet18": resnet18, "bert-base": bert_base, "serving": serving, "serving-small": serving_small,
+    "decoder-1b": decoder_1b}
 # Run only when named or with `graphopt bench --large`: minutes each at one thread.
-LARGE = ("resnet18", "bert-base", "serving", "serving-small")
+LARGE = ("resnet18", "bert-base", "serving", "serving-small", "decoder-1b")

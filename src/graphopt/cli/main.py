@@ -286,8 +286,10 @@ def _bench_parser(commands: argparse._SubParsersAction) -> None:
                              "(default: all); pip install 'graphopt[zoo]' first")
     parser.add_argument("--large", action="store_true",
                         help=f"without --workloads, run the large workloads too ({', '.join(bench.LARGE)}): a "
-                             "ResNet-18, a BERT-base-sized encoder and two serving traces of 3000 decode steps, "
-                             "minutes each at one thread")
+                             "ResNet-18, a BERT-base-sized encoder, two serving traces of 3000 decode steps, "
+                             "minutes each at one thread, and a 1.1B-parameter decoder's greedy decoding in "
+                             "float32, bfloat16, int8 and int4 (its own contenders unless --contenders names "
+                             "others; 4.4 GB of weights, an hour on two threads)")
     parser.add_argument("--contenders", type=names(keys), default=None, metavar="C,...",
                         help=f"contenders to run: {', '.join(keys)} (default: all but "
                              f"{', '.join(bench.OPT_IN)}; compile-ro is CUDA only; for the zoo: "
@@ -360,7 +362,8 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
                             args.rounds or (2 if args.quick else 10),
                             not (args.quick or zoo_only) if args.startup is None else args.startup,
                             torch.get_num_threads(),
-                            shlex.join(["graphopt", *argv]), args.dtype, args.profile)
+                            shlex.join(["graphopt", *argv]), args.dtype, args.profile,
+                            named=args.contenders is not None)
     console = Console()
     if not console.is_terminal:
         console = Console(width=220)  # in a log or a pipe, --wide's columns unwrapped
