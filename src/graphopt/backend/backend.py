@@ -243,7 +243,7 @@ class Backend:
             record.update(level=1, seconds={}, reason=why)
             return self._runtime_at(gm, example_inputs, 1, fingerprint)
         stateful = tiers.stateful_inputs(dynamo.input_kinds(gm), example_inputs)
-        background = tiers.background_compile(device_type(example_inputs), self.config, self.cache.off)
+        background = tiers.background_compile(device_type(example_inputs), self.cache.off)
         runtime = tiers.choose(lambda level: self._runtime_at(gm, example_inputs, level, fingerprint)[0], gm,
                                stateful, record, self._report, functools.partial(self.cache.store_choice, key),
                                background, tiers.precision_bound(self.config))

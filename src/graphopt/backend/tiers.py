@@ -123,13 +123,13 @@ class LevelChoice:
         return self.run(*args)
 
 
-def background_compile(device: str, config: GraphOptimizationConfig,
-                       cache_off: Callable[[], ContextManager]) -> Callable[[], ContextManager] | None:
+def background_compile(device: str, cache_off: Callable[[], ContextManager]) -> Callable[[], ContextManager] | None:
     """Where level 2 compiles in the background, the context it compiles in: the compile
     cache off (the code it would store arrives later). None where it compiles at once:
-    the child generates Inductor's CPU code only, and a frozen graph's weight refresh
-    compiles level 2 again in this process (not tried in a child)."""
-    return cache_off if device == "cpu" and not config.freeze_parameters else None
+    the child generates Inductor's CPU code only. Frozen graphs too: the child gets the
+    constants the weights were folded into (its GEMM template packs them), not the
+    weights, and a refresh() compiles level 2 again in this process, as without "auto"."""
+    return cache_off if device == "cpu" else None
 
 
 def precision_bound(config: GraphOptimizationConfig) -> float | None:
@@ -199,16 +199,27 @@ def _reason(seconds: dict[int, float], level: int) -> str:
 
 
 class _State:
-    """Copies of the tensors a run may write, put back on `restore()`."""
+    """Copies of the tensors a run may write, put back on `restore()`: only those a run
+    wrote (their version moved), so a frozen buffer no run writes keeps its version, and
+    its FrozenWatch does not take the restore for a weight update (which would compile
+    level 2 again)."""
 
     def __init__(self, tensors: list[torch.Tensor]):
         self.tensors = tensors
         self.saved = [t.detach().clone() for t in tensors]
+        self.versions = [_version(t) for t in tensors]
 
     def restore(self) -> None:
         with torch.no_grad():
-            for tensor, saved in zip(self.tensors, self.saved):
-                tensor.copy_(saved)
+            for i, (tensor, saved) in enumerate(zip(self.tensors, self.saved)):
+                if self.versions[i] is None or _version(tensor) != self.versions[i]:
+                    tensor.copy_(saved)
+                    self.versions[i] = _version(tensor)
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter; None for an inference tensor, which has none."""
+    return None if tensor.is_inference() else tensor._version
 
 
 def _outputs(result: Any) -> list[Any]:
