@@ -246,8 +246,12 @@ class Backend:
         background = tiers.background_compile(device_type(example_inputs), self.cache.off)
         runtime = tiers.choose(lambda level: self._runtime_at(gm, example_inputs, level, fingerprint)[0], gm,
                                stateful, record, self._report, functools.partial(self.cache.store_choice, key),
-                               background, tiers.precision_bound(self.config))
+                               background, tiers.precision_bound(self.config), self._released)
         return runtime, tiers.UNCHOSEN
+
+    def _released(self, runtime: Callable) -> None:
+        """A level that will not serve: refresh() no longer compiles it again."""
+        self.repackables[:] = [r for r in self.repackables if r is not runtime]
 
     def compile_for_trace(self, gm: torch.fx.GraphModule,
                           example_inputs: Sequence[Any]) -> trace_graph.TraceGraph:

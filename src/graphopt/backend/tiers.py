@@ -54,15 +54,17 @@ class LevelChoice:
     `clock` is read around each timed run (a test gives a fake one); `chosen` is called
     once with the finished record (the compile cache stores it). With `pending` (level 2's
     code still being generated in a child process), level 1 serves every call until it has
-    arrived, and the first call after chooses. `bound` is precision_bound()'s."""
+    arrived, and the first call after chooses. `bound` is precision_bound()'s. `released`
+    is called with each level's runtime that will not serve (the Backend stops refreshing
+    it: a frozen level 2 left behind would be compiled again at every weight update)."""
 
     def __init__(self, runtimes: dict[int, Callable], eager: Callable, stateful: list[int], record: dict[str, Any],
                  report: Report, chosen: Callable[[dict[str, Any]], None],
                  clock: Callable[[], float] = time.perf_counter, pending: background.BackgroundCompile | None = None,
-                 bound: float | None = None):
+                 bound: float | None = None, released: Callable[[Callable], None] = lambda runtime: None):
         self.runtimes, self.eager, self.stateful = runtimes, eager, stateful
         self.record, self.report, self.chosen, self.clock = record, report, chosen, clock
-        self.pending, self.bound = pending, bound
+        self.pending, self.bound, self.released = pending, bound, released
         self.run: Callable = self._first if pending is None else self._waiting
 
     def __call__(self, *args: Any) -> Any:
@@ -88,6 +90,7 @@ class LevelChoice:
         self.report.fallback(FallbackKind.LEVEL,
                              f"graph_opt_level='auto': {why}; level 1 serves graph {self.record['graph']}")
         self.record.update(level=1, seconds={}, reason=why)
+        self.released(self.runtimes[2])
         self.run, self.runtimes = self.runtimes[1], {}
         return self.run(*args)
 
@@ -119,6 +122,8 @@ class LevelChoice:
         self.chosen(self.record)
         state.restore()
         self.run = self.runtimes.get(level, self.eager)
+        for other in (runtime for key, runtime in self.runtimes.items() if key != level):
+            self.released(other)
         self.runtimes = {}  # the other level's graphs and device graphs are freed
         return self.run(*args)
 
@@ -144,12 +149,13 @@ def precision_bound(config: GraphOptimizationConfig) -> float | None:
 
 def choose(compile_at: Callable[[int], Callable], eager: Callable, stateful: list[int], record: dict[str, Any],
            report: Report, chosen: Callable[[dict[str, Any]], None],
-           in_background: Callable[[], ContextManager] | None = None, bound: float | None = None) -> Callable:
+           in_background: Callable[[], ContextManager] | None = None, bound: float | None = None,
+           released: Callable[[Callable], None] = lambda runtime: None) -> Callable:
     """One graph compiled at each level (`compile_at(level)`), as a LevelChoice. Level 1
     must compile (every graph gets it without "auto"); a level 2 that fails to compile
     leaves level 1 serving, and says why. With `in_background` (background_compile's
     context), level 2's code is generated in a child process and level 1 serves until it
-    arrives."""
+    arrives. `released`: LevelChoice's."""
     runtimes = {1: compile_at(1)}
     pending = background.BackgroundCompile() if in_background is not None else None
     if pending is not None:
@@ -168,7 +174,8 @@ def choose(compile_at: Callable[[int], Callable], eager: Callable, stateful: lis
         report.fallback(FallbackKind.LEVEL, f"graph_opt_level='auto': {why}; level 1 serves graph {record['graph']}")
         record.update(level=1, seconds={}, reason=why)
         return runtimes[1]
-    return LevelChoice(runtimes, eager, stateful, record, report, chosen, pending=pending, bound=bound)
+    return LevelChoice(runtimes, eager, stateful, record, report, chosen, pending=pending, bound=bound,
+                       released=released)
 
 
 def wait_for_background(timeout: float | None = None) -> bool:
