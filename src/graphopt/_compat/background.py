@@ -21,6 +21,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 from concurrent.futures import Future
 from typing import Any, Iterator, Sequence
 
@@ -116,7 +117,7 @@ def _start(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inputs_to_ch
     shape_env = _current_shape_env()
     known = len(shape_env.guards) if shape_env is not None else 0
     env = {v: os.environ[v] for v in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") if v in os.environ}
-    future = _pool().submit(_run_in_child, pickled, env)
+    future = _submit(pickled, env)
     started.futures.append(future)
 
     def arrived(pickled_output: Any) -> Any:
@@ -136,6 +137,31 @@ def _start(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inputs_to_ch
 
     here._boxed_call = True  # type: ignore[attr-defined]
     return _AsyncOutputCode(here, future, arrived)
+
+
+def start_child() -> None:
+    """Start the child process now (it imports torch and graphopt: seconds), so that it is
+    ready by the time a graph is sent to it."""
+    _pool()
+
+
+def _submit(pickled: Any, env: dict[str, str]) -> Future:
+    """The child's compile of `pickled`, sent from a thread: the pool writes the graph into
+    a pipe, which blocks until the child reads it all, and a child still importing torch
+    reads nothing (with frozen weights' constants in it, that was most of a first call)."""
+    pool, result = _pool(), Future()
+
+    def send() -> None:
+        try:
+            sent = pool.submit(_run_in_child, pickled, env)
+        except BaseException as error:  # noqa: BLE001 - the compile's failure, reported as the child's would be
+            result.set_exception(error)
+            return
+        sent.add_done_callback(lambda done: result.set_exception(done.exception()) if done.exception() is not None
+                               else result.set_result(done.result()))
+
+    threading.Thread(target=send, name="graphopt-background-send", daemon=True).start()
+    return result
 
 
 @contextlib.contextmanager

@@ -156,6 +156,8 @@ def choose(compile_at: Callable[[int], Callable], eager: Callable, stateful: lis
     leaves level 1 serving, and says why. With `in_background` (background_compile's
     context), level 2's code is generated in a child process and level 1 serves until it
     arrives. `released`: LevelChoice's."""
+    if in_background is not None:
+        background.start_child()  # it imports torch while level 1 compiles
     runtimes = {1: compile_at(1)}
     pending = background.BackgroundCompile() if in_background is not None else None
     if pending is not None:
@@ -206,27 +208,20 @@ def _reason(seconds: dict[int, float], level: int) -> str:
 
 
 class _State:
-    """Copies of the tensors a run may write, put back on `restore()`: only those a run
-    wrote (their version moved), so a frozen buffer no run writes keeps its version, and
-    its FrozenWatch does not take the restore for a weight update (which would compile
-    level 2 again)."""
+    """Copies of the tensors a run may write, put back on `restore()`: only those whose
+    values differ (compiled code may write without bumping a version counter), so that a
+    frozen buffer no run writes is not written either, and its FrozenWatch does not take
+    the restore for a weight update (which would compile level 2 again)."""
 
     def __init__(self, tensors: list[torch.Tensor]):
         self.tensors = tensors
         self.saved = [t.detach().clone() for t in tensors]
-        self.versions = [_version(t) for t in tensors]
 
     def restore(self) -> None:
         with torch.no_grad():
-            for i, (tensor, saved) in enumerate(zip(self.tensors, self.saved)):
-                if self.versions[i] is None or _version(tensor) != self.versions[i]:
+            for tensor, saved in zip(self.tensors, self.saved):
+                if not torch.equal(tensor, saved):
                     tensor.copy_(saved)
-                    self.versions[i] = _version(tensor)
-
-
-def _version(tensor: torch.Tensor) -> int | None:
-    """The tensor's version counter; None for an inference tensor, which has none."""
-    return None if tensor.is_inference() else tensor._version
 
 
 def _outputs(result: Any) -> list[Any]:
