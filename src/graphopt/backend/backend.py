@@ -85,8 +85,10 @@ class Backend:
         self._report.notes += kept
         self.cache = BackendCache(self.config, self._report)
         self.compiler = GraphCompiler(self.config, self._report, self.cache, self.graph_modules, self.repackables)
-        if self.config.graph_opt_level in (2, AUTO_LEVEL) and not torch.cuda.is_available():
-            inductor.check_cpu_isas_early()  # shortens a cold start (docs/compile-cache.md)
+        # Shortens a cold start at level 2 (docs/compile-cache.md). Not under "auto": its
+        # level 2 compiles in a child, and the checks' thread would slow level 1's compile.
+        if self.config.graph_opt_level == 2 and not torch.cuda.is_available():
+            inductor.check_cpu_isas_early()
 
     def report(self) -> Report:
         return self._report
