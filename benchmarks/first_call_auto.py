@@ -5,6 +5,10 @@ a fresh process (a process's first compile pays one-time costs), rounds interlea
 medians.
 
     python benchmarks/first_call_auto.py --models mlp,bert,sdpa --rounds 3
+    python benchmarks/first_call_auto.py --models decoder --frozen --rounds 3
+
+`--frozen` compiles with freeze_parameters=True (torch.compile as it is); `decoder` is
+the reference decoder's decode step at `DecoderConfig.small` (3.4M parameters).
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ def build(name: str):
         from decoder_spellings import SPELLINGS, decode_inputs
 
         return SPELLINGS[name]().eval(), decode_inputs(4, 5)
+    if name == "decoder":
+        import graphopt.models
+
+        model = graphopt.models.Decoder(graphopt.models.DecoderConfig.small(max_num_seqs=4, max_seq_len=128)).eval()
+        return model, (torch.randint(2048, (4,)), torch.full((4,), 5), torch.arange(4))
     from transformers import BertConfig, BertModel
 
     model = BertModel(BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -39,7 +48,7 @@ def build(name: str):
     return model, (torch.randint(0, 1000, (1, 64)),)
 
 
-def one(name: str, how: str) -> None:
+def one(name: str, how: str, frozen: bool) -> None:
     """In this process: `how`'s first call on `name`, then calls until the choice is made."""
     import graphopt
     from graphopt.backend import tiers
@@ -54,7 +63,8 @@ def one(name: str, how: str) -> None:
         compiled = torch.compile(model)
     else:
         level = 1 if how == "l1" else "auto"
-        backend = graphopt.Backend(graphopt.GraphOptimizationConfig(graph_opt_level=level, cache_dir=None))
+        backend = graphopt.Backend(graphopt.GraphOptimizationConfig(graph_opt_level=level, cache_dir=None,
+                                                                    freeze_parameters=frozen))
         compiled = torch.compile(model, backend=backend)
     with torch.no_grad():
         expected = model(*args)
@@ -78,16 +88,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="mlp,bert")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--frozen", action="store_true", help="graphopt with freeze_parameters=True")
     parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        return one(*args.one)
+        return one(*args.one, args.frozen)
     for name in args.models.split(","):
         found: dict[str, list[tuple[float, float]]] = {how: [] for how in CONTENDERS}
         for _ in range(args.rounds):
             for how in CONTENDERS:
                 with tempfile.TemporaryDirectory() as cold:
-                    out = subprocess.run([sys.executable, __file__, "--one", name, how], capture_output=True,
+                    out = subprocess.run([sys.executable, __file__, "--one", name, how]
+                                         + ["--frozen"] * args.frozen, capture_output=True,
                                          text=True, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cold})
                 line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT")), None)
                 if line is None:

@@ -21,6 +21,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 from concurrent.futures import Future
 from typing import Any, Iterator, Sequence
 
@@ -107,7 +108,7 @@ def _start(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inputs_to_ch
         gm.recompile()
     _detach_view_values(gm)
     scheme = _SubprocessFxCompile()
-    with _pickling_errors() as errors, _child_resolvable_ops():
+    with _pickling_errors() as errors, _child_resolvable_ops(), _constants_kept_here(gm) as marked:
         serialized = scheme.serialize_compile(gm, example_inputs, inputs_to_check, graph_kwargs)
     if serialized is None:
         why = f" ({errors[0][:200]})" if errors else ""
@@ -116,7 +117,7 @@ def _start(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inputs_to_ch
     shape_env = _current_shape_env()
     known = len(shape_env.guards) if shape_env is not None else 0
     env = {v: os.environ[v] for v in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") if v in os.environ}
-    future = _pool().submit(_run_in_child, pickled, env)
+    future = _submit(pickled, env)
     started.futures.append(future)
 
     def arrived(pickled_output: Any) -> Any:
@@ -128,6 +129,7 @@ def _start(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inputs_to_ch
             raise UnguardedAssumption("Inductor's code assumes " + ", ".join(str(g.expr) for g in added[:3])
                                       + ", which Dynamo's guards do not check")
         scheme._postprocess(output)
+        _drop_packed_originals(gm, marked, output.graph)
         return output.graph
 
     def here(args: list) -> Any:
@@ -135,6 +137,68 @@ def _start(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inputs_to_ch
 
     here._boxed_call = True  # type: ignore[attr-defined]
     return _AsyncOutputCode(here, future, arrived)
+
+
+def start_child() -> None:
+    """Start the child process now (it imports torch and graphopt: seconds), so that it is
+    ready by the time a graph is sent to it."""
+    _pool()
+
+
+def _submit(pickled: Any, env: dict[str, str]) -> Future:
+    """The child's compile of `pickled`, sent from a thread: the pool writes the graph into
+    a pipe, which blocks until the child reads it all, and a child still importing torch
+    reads nothing (with frozen weights' constants in it, that was most of a first call)."""
+    pool, result = _pool(), Future()
+
+    def send() -> None:
+        try:
+            sent = pool.submit(_run_in_child, pickled, env)
+        except BaseException as error:  # noqa: BLE001 - the compile's failure, reported as the child's would be
+            result.set_exception(error)
+            return
+        sent.add_done_callback(lambda done: result.set_exception(done.exception()) if done.exception() is not None
+                               else result.set_result(done.result()))
+
+    threading.Thread(target=send, name="graphopt-background-send", daemon=True).start()
+    return result
+
+
+@contextlib.contextmanager
+def _constants_kept_here(gm: torch.fx.GraphModule) -> Iterator[list[str]]:
+    """While Inductor pickles `gm` for a child: graphopt's own entries of `gm.meta` (the
+    frozen weights, the recipes refresh() reads) left out, as the child's compile reads
+    none of them; and the graph's tensor constants (the values frozen weights were folded
+    into) marked as Inductor's frozen parameters, so that the compiled graph coming back
+    names them instead of carrying a copy of each, and takes this process's own tensors
+    (`CompiledFxGraphConstantsWithGm`). The child sees them with their values: its GEMM
+    template packs them and its autotuning times them. Yields the names marked."""
+    from torch._inductor import freezing_utils
+
+    meta = gm.meta
+    named = [(n, t) for n, t in (*gm.named_buffers(), *gm.named_parameters()) if not hasattr(t, "_is_frozen_param")]
+    constants = [t for _, t in named]
+    gm.meta = {k: v for k, v in meta.items() if not str(k).startswith("graphopt_")}
+    freezing_utils.record_has_frozen_params(gm)
+    for tensor in constants:
+        tensor._is_frozen_param = True
+    try:
+        yield [n for n, _ in named]
+    finally:
+        gm.meta = meta
+        del gm._has_frozen_params
+        for tensor in constants:
+            del tensor._is_frozen_param
+
+
+def _drop_packed_originals(gm: torch.fx.GraphModule, marked: list[str], compiled: Any) -> None:
+    """Drop from `gm` the constants (of `marked`) the child's code no longer names: those
+    its GEMM template packed and pruned from its copy of the graph, as it does from the
+    graph it compiles in this process. Kept, each would hold a weight's size for nothing."""
+    used = set(getattr(compiled, "frozen_param_names", {}).values())
+    for name in marked:
+        if name not in used and "." not in name and name in gm._buffers:
+            delattr(gm, name)
 
 
 @contextlib.contextmanager
@@ -185,13 +249,22 @@ def _child_resolvable_ops() -> Iterator[None]:
 
 
 def _detach_view_values(gm: torch.fx.GraphModule) -> None:
-    """A node a pattern replacement added carries a view as its fake value (AOTAutograd's
-    own are not views), and Inductor's pickler keeps the view's base with its fake mode,
-    which does not pickle. The detached value has the same sizes, strides and offset."""
+    """A node a pattern replacement added carries a view as its fake value, or a list of
+    them (a split of a fused linear's result; AOTAutograd's own are not views), and
+    Inductor's pickler keeps a view's base with its fake mode, which does not pickle. The
+    detached value has the same sizes, strides and offset."""
     for node in gm.graph.nodes:
-        value = node.meta.get("val")
-        if isinstance(value, torch.Tensor) and value._is_view():
-            node.meta["val"] = value.detach()
+        if "val" in node.meta:
+            node.meta["val"] = _detached(node.meta["val"])
+
+
+def _detached(value: Any) -> Any:
+    """`value` with every view in it (one tensor, or a split's list of them) detached."""
+    if isinstance(value, torch.Tensor):
+        return value.detach() if value._is_view() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(v) for v in value)
+    return value
 
 
 def _current_shape_env() -> Any:
@@ -203,6 +276,10 @@ def _current_shape_env() -> Any:
 def _run_in_child(pickled: Any, env: dict[str, str]) -> Any:
     from torch._inductor.compile_fx_subproc import _SubprocessFxCompile
 
+    from . import autotune
+
+    # The child's warnings are replayed here: what this process keeps off stderr, it does too.
+    autotune.hide_inductor_storage_warning()
     return _SubprocessFxCompile._run_in_child_subprocess(pickled, env)
 
 

@@ -85,8 +85,10 @@ class Backend:
         self._report.notes += kept
         self.cache = BackendCache(self.config, self._report)
         self.compiler = GraphCompiler(self.config, self._report, self.cache, self.graph_modules, self.repackables)
-        if self.config.graph_opt_level in (2, AUTO_LEVEL) and not torch.cuda.is_available():
-            inductor.check_cpu_isas_early()  # shortens a cold start (docs/compile-cache.md)
+        # Shortens a cold start at level 2 (docs/compile-cache.md). Not under "auto": its
+        # level 2 compiles in a child, and the checks' thread would slow level 1's compile.
+        if self.config.graph_opt_level == 2 and not torch.cuda.is_available():
+            inductor.check_cpu_isas_early()
 
     def report(self) -> Report:
         return self._report
@@ -243,11 +245,15 @@ class Backend:
             record.update(level=1, seconds={}, reason=why)
             return self._runtime_at(gm, example_inputs, 1, fingerprint)
         stateful = tiers.stateful_inputs(dynamo.input_kinds(gm), example_inputs)
-        background = tiers.background_compile(device_type(example_inputs), self.config, self.cache.off)
+        background = tiers.background_compile(device_type(example_inputs), self.cache.off)
         runtime = tiers.choose(lambda level: self._runtime_at(gm, example_inputs, level, fingerprint)[0], gm,
                                stateful, record, self._report, functools.partial(self.cache.store_choice, key),
-                               background, tiers.precision_bound(self.config))
+                               background, tiers.precision_bound(self.config), self._released)
         return runtime, tiers.UNCHOSEN
+
+    def _released(self, runtime: Callable) -> None:
+        """A level that will not serve: refresh() no longer compiles it again."""
+        self.repackables[:] = [r for r in self.repackables if r is not runtime]
 
     def compile_for_trace(self, gm: torch.fx.GraphModule,
                           example_inputs: Sequence[Any]) -> trace_graph.TraceGraph:

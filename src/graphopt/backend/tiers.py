@@ -54,15 +54,17 @@ class LevelChoice:
     `clock` is read around each timed run (a test gives a fake one); `chosen` is called
     once with the finished record (the compile cache stores it). With `pending` (level 2's
     code still being generated in a child process), level 1 serves every call until it has
-    arrived, and the first call after chooses. `bound` is precision_bound()'s."""
+    arrived, and the first call after chooses. `bound` is precision_bound()'s. `released`
+    is called with each level's runtime that will not serve (the Backend stops refreshing
+    it: a frozen level 2 left behind would be compiled again at every weight update)."""
 
     def __init__(self, runtimes: dict[int, Callable], eager: Callable, stateful: list[int], record: dict[str, Any],
                  report: Report, chosen: Callable[[dict[str, Any]], None],
                  clock: Callable[[], float] = time.perf_counter, pending: background.BackgroundCompile | None = None,
-                 bound: float | None = None):
+                 bound: float | None = None, released: Callable[[Callable], None] = lambda runtime: None):
         self.runtimes, self.eager, self.stateful = runtimes, eager, stateful
         self.record, self.report, self.chosen, self.clock = record, report, chosen, clock
-        self.pending, self.bound = pending, bound
+        self.pending, self.bound, self.released = pending, bound, released
         self.run: Callable = self._first if pending is None else self._waiting
 
     def __call__(self, *args: Any) -> Any:
@@ -88,6 +90,7 @@ class LevelChoice:
         self.report.fallback(FallbackKind.LEVEL,
                              f"graph_opt_level='auto': {why}; level 1 serves graph {self.record['graph']}")
         self.record.update(level=1, seconds={}, reason=why)
+        self.released(self.runtimes[2])
         self.run, self.runtimes = self.runtimes[1], {}
         return self.run(*args)
 
@@ -119,17 +122,19 @@ class LevelChoice:
         self.chosen(self.record)
         state.restore()
         self.run = self.runtimes.get(level, self.eager)
+        for other in (runtime for key, runtime in self.runtimes.items() if key != level):
+            self.released(other)
         self.runtimes = {}  # the other level's graphs and device graphs are freed
         return self.run(*args)
 
 
-def background_compile(device: str, config: GraphOptimizationConfig,
-                       cache_off: Callable[[], ContextManager]) -> Callable[[], ContextManager] | None:
+def background_compile(device: str, cache_off: Callable[[], ContextManager]) -> Callable[[], ContextManager] | None:
     """Where level 2 compiles in the background, the context it compiles in: the compile
     cache off (the code it would store arrives later). None where it compiles at once:
-    the child generates Inductor's CPU code only, and a frozen graph's weight refresh
-    compiles level 2 again in this process (not tried in a child)."""
-    return cache_off if device == "cpu" and not config.freeze_parameters else None
+    the child generates Inductor's CPU code only. Frozen graphs too: the child gets the
+    constants the weights were folded into (its GEMM template packs them), not the
+    weights, and a refresh() compiles level 2 again in this process, as without "auto"."""
+    return cache_off if device == "cpu" else None
 
 
 def precision_bound(config: GraphOptimizationConfig) -> float | None:
@@ -144,12 +149,15 @@ def precision_bound(config: GraphOptimizationConfig) -> float | None:
 
 def choose(compile_at: Callable[[int], Callable], eager: Callable, stateful: list[int], record: dict[str, Any],
            report: Report, chosen: Callable[[dict[str, Any]], None],
-           in_background: Callable[[], ContextManager] | None = None, bound: float | None = None) -> Callable:
+           in_background: Callable[[], ContextManager] | None = None, bound: float | None = None,
+           released: Callable[[Callable], None] = lambda runtime: None) -> Callable:
     """One graph compiled at each level (`compile_at(level)`), as a LevelChoice. Level 1
     must compile (every graph gets it without "auto"); a level 2 that fails to compile
     leaves level 1 serving, and says why. With `in_background` (background_compile's
     context), level 2's code is generated in a child process and level 1 serves until it
-    arrives."""
+    arrives. `released`: LevelChoice's."""
+    if in_background is not None:
+        background.start_child()  # it imports torch while level 1 compiles
     runtimes = {1: compile_at(1)}
     pending = background.BackgroundCompile() if in_background is not None else None
     if pending is not None:
@@ -168,7 +176,8 @@ def choose(compile_at: Callable[[int], Callable], eager: Callable, stateful: lis
         report.fallback(FallbackKind.LEVEL, f"graph_opt_level='auto': {why}; level 1 serves graph {record['graph']}")
         record.update(level=1, seconds={}, reason=why)
         return runtimes[1]
-    return LevelChoice(runtimes, eager, stateful, record, report, chosen, pending=pending, bound=bound)
+    return LevelChoice(runtimes, eager, stateful, record, report, chosen, pending=pending, bound=bound,
+                       released=released)
 
 
 def wait_for_background(timeout: float | None = None) -> bool:
@@ -199,7 +208,10 @@ def _reason(seconds: dict[int, float], level: int) -> str:
 
 
 class _State:
-    """Copies of the tensors a run may write, put back on `restore()`."""
+    """Copies of the tensors a run may write, put back on `restore()`: only those whose
+    values differ (compiled code may write without bumping a version counter), so that a
+    frozen buffer no run writes is not written either, and its FrozenWatch does not take
+    the restore for a weight update (which would compile level 2 again)."""
 
     def __init__(self, tensors: list[torch.Tensor]):
         self.tensors = tensors
@@ -208,7 +220,8 @@ class _State:
     def restore(self) -> None:
         with torch.no_grad():
             for tensor, saved in zip(self.tensors, self.saved):
-                tensor.copy_(saved)
+                if not torch.equal(tensor, saved):
+                    tensor.copy_(saved)
 
 
 def _outputs(result: Any) -> list[Any]:

@@ -1,0 +1,95 @@
+"""graph_opt_level="auto" with freeze_parameters=True: level 2 compiles in a child process
+while level 1 serves, as for a graph with live weights."""
+
+import pytest
+import torch
+
+import graphopt
+from graphopt import FallbackKind
+from graphopt.backend import tiers
+from graphopt.config import tolerance
+
+
+class Projections(torch.nn.Module):
+    """Three linears of one input: with frozen weights the passes fold their weights into
+    one concatenated constant (horizontal_linear), which Inductor's GEMM template packs."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(32, 48) for _ in range(3))
+        self.out = torch.nn.Linear(48, 16)
+
+    def forward(self, x):
+        return self.out(torch.nn.functional.silu(self.q(x)) * self.k(x) + self.v(x))
+
+
+def frozen_auto(**fields):
+    torch.manual_seed(0)
+    model = Projections().eval()
+    config = graphopt.GraphOptimizationConfig(graph_opt_level="auto", freeze_parameters=True, cache_dir=None,
+                                              use_cudagraph=False, **fields)
+    return model, graphopt.optimize(model, config)
+
+
+def assert_eager(optimized, model, x):
+    atol, rtol = tolerance(torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x), atol=atol, rtol=rtol)
+
+
+def test_a_frozen_graph_serves_level_1_while_level_2_compiles_in_a_child_then_refreshes(monkeypatch):
+    monkeypatch.setattr(tiers, "MARGIN", 1e6)  # level 2 wins the timing whatever the clock says
+    model, optimized = frozen_auto()
+    x = torch.randn(4, 32)
+    assert_eager(optimized, model, x)  # level 1's result; level 2's code is on its way
+    report = optimized.report()
+    [choice] = report.level_choices
+    assert "level" not in choice  # nothing waited for level 2
+    assert report.graphs[1].fused_ops.get("horizontal_linear") == 1, str(report)  # folded here, sent to the child
+    assert graphopt.wait_for_background(timeout=600)
+    assert_eager(optimized, model, x)  # the choice: each level checked against eager, then timed
+    assert choice["level"] == 2 and set(choice["seconds"]) == {"1", "2"}, choice
+    assert not report.fallbacks, report.fallbacks  # compiled in the child, not in the first call
+    assert report.repacks == 0  # the timed runs' restores are no weight update
+
+    with torch.no_grad():
+        model.k.weight.mul_(2)  # noticed: level 2 compiled again from the new weights
+    assert_eager(optimized, model, x)
+    assert report.repacks == 1 and report.weight_refreshes == {"updated in place: k.weight": 1}
+    with torch.no_grad():
+        model.q.weight.data.add_(0.5)  # not noticed: refresh() after it
+    optimized.refresh()
+    assert_eager(optimized, model, x)
+    assert report.repacks == 2
+
+
+def test_a_frozen_level_2_that_fails_in_the_child_leaves_level_1_serving_and_refreshing():
+    # A compiler the child cannot run: level 2 fails there and nowhere else.
+    model, optimized = frozen_auto(inductor_compile_config={"cpp.cxx": "/nonexistent/c++"})
+    x = torch.randn(4, 32)
+    assert_eager(optimized, model, x)
+    assert tiers.wait_for_background(timeout=600)
+    assert_eager(optimized, model, x)
+    report = optimized.report()
+    [choice] = report.level_choices
+    assert choice["level"] == 1 and choice["reason"].startswith("level 2 failed to compile in the background (")
+    assert "No working C++ compiler" in choice["reason"]
+    assert list(report.fallbacks) == [f"graph_opt_level='auto': {choice['reason']}; level 1 serves graph 0"]
+    with torch.no_grad():
+        model.v.bias.add_(1.0)
+    assert_eager(optimized, model, x)  # level 1's folded constants refreshed; the failed level 2 is not compiled
+    assert report.repacks == 0 and report.weight_refreshes == {"updated in place: v.bias": 1}
+
+
+@pytest.mark.parametrize("written", [False, True])
+def test_the_timed_runs_put_back_only_what_a_run_wrote(written):
+    """A buffer no run writes is not written by the restore either: a frozen graph's watch
+    would take the write for a weight update and compile level 2 again."""
+    cache, constant = torch.zeros(3), torch.ones(3)
+    state = tiers._State([cache, constant])
+    if written:
+        cache.add_(1)
+    versions = (cache._version, constant._version)
+    state.restore()
+    assert torch.equal(cache, torch.zeros(3)) and constant._version == versions[1]
+    assert (cache._version > versions[0]) == written
