@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import graphopt
-from graphopt import FallbackKind
 from graphopt.backend import tiers
 from graphopt.config import tolerance
 
