@@ -315,12 +315,11 @@ def _judged(executor: Executor, inputs: list, expected: list, tolerance: float |
                             f"executors: {executor.name}'s output {unequal} of a graph differs from eager's beyond "
                             "config.py's tolerances; it runs on graphopt's compiled code")
         return unequal is None, None
-    relative, largest, mean = precision.worst_error([e for _, e in pairs], [g for g, _ in pairs])
-    error = {"dtype": engines.DTYPES[executor.precision], "max_abs_error": largest, "mean_abs_error": mean,
-             "relative_error": relative, "tolerance": tolerance,
-             "fell_back": tolerance is not None and not relative <= tolerance}
+    error = precision.error_record(engines.DTYPES[executor.precision], [e for _, e in pairs],
+                                   [g for g, _ in pairs], tolerance)
     if error["fell_back"]:
         report.fallback(FallbackKind.EXECUTOR, f"executors: {executor.name}'s error against full precision, max abs "
-                        f"{largest:.3g}, is {relative:.3g} of an output's largest magnitude, over "
+                        f"{error['max_abs_error']:.3g}, is {error['relative_error']:.3g} of an output's largest "
+                        "magnitude, over "
                         f"precision_tolerance={tolerance:g}; it is not a candidate for this graph")
     return not error["fell_back"], error

@@ -235,14 +235,21 @@ def measured_error(gm: torch.fx.GraphModule, expected: Sequence[torch.Tensor], a
     as `worst_error` measures it, and whether it is past `tolerance`; for a causal LM's
     graph also its greedy-token agreement (`token_agreement`), which is reported only: a
     bound on it would undo the rewrite for one near-tie flipped among a handful of tokens."""
-    relative, largest, mean = worst_error(expected, actual)
-    error = {"dtype": label(gm), "max_abs_error": largest, "mean_abs_error": mean, "relative_error": relative,
-             "tolerance": tolerance, "fell_back": tolerance is not None and not relative <= tolerance}
+    error = error_record(label(gm), expected, actual, tolerance)
     steps = gm.meta.get(AGREEMENT_STEPS, GraphOptimizationConfig.token_agreement_steps)
     agreement = token_agreement(gm, expected, actual, steps)
     if agreement is not None:
         error["token_agreement"], error["tokens_compared"] = agreement[0] / agreement[1], agreement[1]
     return error
+
+
+def error_record(dtype: str, expected: Sequence[torch.Tensor], actual: Sequence[torch.Tensor],
+                 tolerance: float | None) -> dict[str, Any]:
+    """The report's record of a lowering's error (`dtype`: what lowered it): `worst_error`'s
+    figures, and whether they are past `tolerance` (precision_tolerance)."""
+    relative, largest, mean = worst_error(expected, actual)
+    return {"dtype": dtype, "max_abs_error": largest, "mean_abs_error": mean, "relative_error": relative,
+            "tolerance": tolerance, "fell_back": tolerance is not None and not relative <= tolerance}
 
 
 def token_agreement(gm: torch.fx.GraphModule, expected: Sequence[torch.Tensor], actual: Sequence[torch.Tensor],
