@@ -48,6 +48,8 @@ def test_a_frozen_graph_serves_level_1_while_level_2_compiles_in_a_child_then_re
     assert graphopt.wait_for_background(timeout=600)
     assert_eager(optimized, model, x)  # the choice: each level checked against eager, then timed
     assert choice["level"] == 2 and set(choice["seconds"]) == {"1", "2"}, choice
+    gemms = report.graphs[1].gemms  # timed in the child, reported here
+    assert gemms and all(v.split(" ")[0] in ("ATen", "C++") and " us" in v for v in gemms.values()), gemms
     assert not report.fallbacks, report.fallbacks  # compiled in the child, not in the first call
     assert report.repacks == 0  # the timed runs' restores are no weight update
 

@@ -20,6 +20,8 @@ import torch
 # choices instead (GraphRecord.gemms). Keys an older torch lacks are left out.
 _QUIET = {"max_autotune_report_choices_stats": False, "autotune_num_choices_displayed": 0}
 # Inductor's kernel launchers (`triton_heuristics`) and the benchmarking they tune with.
+# The dicts of the gemm_choices blocks now open, innermost last.
+_OPEN: list[dict[str, str]] = []
 _RUNTIME_DIR = os.path.join(os.path.dirname(torch.__file__), "_inductor", "runtime", "")
 
 
@@ -60,12 +62,28 @@ def gemm_choices() -> Iterator[dict[str, str]]:
     "mm [1, 256] x [256, 768]" -> "C++ template 41 us (ATen 70 us)". Empty on a torch
     without the hook, and for ops whose choice came from Inductor's caches."""
     chosen: dict[str, str] = {}
+    _OPEN.append(chosen)
+    try:
+        with _saving_into(chosen):
+            yield chosen
+    finally:
+        _OPEN.remove(chosen)
+
+
+def open_choices() -> list[dict[str, str]]:
+    """The dicts of the `gemm_choices` blocks open now: a compile whose code is generated
+    in a child process (background.py) adds the child's choices to them when it arrives."""
+    return list(_OPEN)
+
+
+@contextlib.contextmanager
+def _saving_into(chosen: dict[str, str]) -> Iterator[None]:
     try:
         from torch._inductor import select_algorithm
         cache = select_algorithm.get_algorithm_selector_cache()
         savers = cache.feedback_saver_fns
     except (ImportError, AttributeError):
-        yield chosen
+        yield
         return
 
     def saver(timings, name, input_nodes, choices, *_rest) -> None:
@@ -80,7 +98,7 @@ def gemm_choices() -> Iterator[dict[str, str]]:
 
     savers.append(saver)
     try:
-        yield chosen
+        yield
     finally:
         savers.remove(saver)
 

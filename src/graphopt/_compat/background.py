@@ -27,6 +27,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from . import autotune
+
 
 class NotSerializable(RuntimeError):
     """Inductor could not pickle the graph for a child process."""
@@ -119,8 +121,12 @@ def _start(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inputs_to_ch
     env = {v: os.environ[v] for v in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") if v in os.environ}
     future = _submit(pickled, env)
     started.futures.append(future)
+    gemm_records = autotune.open_choices()
 
-    def arrived(pickled_output: Any) -> Any:
+    def arrived(result: tuple[Any, dict[str, str]]) -> Any:
+        pickled_output, gemms = result
+        for record in gemm_records:
+            record.update(gemms)
         output = pickled_output.deserialize(constants)
         # A guard Inductor added while compiling (a size it specialized on) would have
         # joined Dynamo's guards in this process; from the child it cannot any more.
@@ -273,14 +279,16 @@ def _current_shape_env() -> Any:
     return _current_fake_mode().shape_env
 
 
-def _run_in_child(pickled: Any, env: dict[str, str]) -> Any:
+def _run_in_child(pickled: Any, env: dict[str, str]) -> tuple[Any, dict[str, str]]:
+    """The child's compile of `pickled`, with the GEMM choices its autotuning made (the
+    report's, which this process would otherwise never see)."""
     from torch._inductor.compile_fx_subproc import _SubprocessFxCompile
-
-    from . import autotune
 
     # The child's warnings are replayed here: what this process keeps off stderr, it does too.
     autotune.hide_inductor_storage_warning()
-    return _SubprocessFxCompile._run_in_child_subprocess(pickled, env)
+    with autotune.gemm_choices() as gemms:
+        output = _SubprocessFxCompile._run_in_child_subprocess(pickled, env)
+    return output, gemms
 
 
 @functools.cache

@@ -9,9 +9,11 @@ matcher is `patterns.py`, what its autotuning chose `autotune.py`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
+from unittest import mock
 
 import torch.fx
 
@@ -48,6 +50,20 @@ def _custom_graph_pass(fn: Callable[[torch.fx.Graph], None], pass_uuid: str) -> 
             return pass_uuid
 
     return _GraphoptPostGradPass()
+
+
+@contextlib.contextmanager
+def caches_written_not_read() -> Iterator[None]:
+    """Inductor's FX graph cache and AOTAutograd's, written as usual but never read: a
+    compile whose pass records graphopt lacks must run the passes, which a hit would skip.
+    Without it such a compile loaded the code, then compiled again for the records, and
+    the loaded code's copies of frozen weights stayed alive beside the new ones."""
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+    from torch._inductor.codecache import FxGraphCache
+
+    with mock.patch.object(FxGraphCache, "_lookup_graph", staticmethod(lambda *args, **kwargs: (None, {}))), \
+            mock.patch.object(AOTAutogradCache, "_lookup", staticmethod(lambda *args, **kwargs: None)):
+        yield
 
 
 @functools.cache

@@ -132,13 +132,11 @@ class GraphCompiler:
         # its code is found by Inductor's FX graph cache, which keys on the graph AOTAutograd
         # made (AOTAutograd's own key differs between processes for a full-graph capture).
         bundled = key is not None and not self.config.freeze_parameters
+        # Without graphopt's records Inductor's code is not looked up: the passes must run.
+        unread = inductor.caches_written_not_read() if key is not None and entry is None else contextlib.nullcontext()
         with trace_graph.bundled_inductor_cache() if bundled else contextlib.nullcontext(), \
-                autotune.gemm_choices() as gemms:
+                autotune.gemm_choices() as gemms, unread:
             compiled = inductor.inductor_compile(gm, example_inputs, post_grad_pass, passes, options)
-            if key is not None and not optimized and entry is None:
-                # Inductor's cache had the code but graphopt's records are gone: compile once more for them.
-                options["force_disable_caches"] = True
-                compiled = inductor.inductor_compile(gm, example_inputs, post_grad_pass, passes, options)
         record.gemms = gemms
         if optimized:
             records = optimized[-1][1]
