@@ -242,6 +242,36 @@ def test_fold_node_converts_a_frozen_weight_once_and_leaves_live_inputs():
     torch.testing.assert_close(gm(x, w), fn(x, w), atol=0, rtol=0)
 
 
+def test_a_folded_value_a_later_fold_replaces_is_freed_and_its_recipe_moves_into_the_new_one():
+    """As the weight quantization pass does: a concatenation of frozen weights folded,
+    then a value computed from it folded in its place; the concatenation is then read by
+    nothing, so its buffer and recipe go, and the new recipe computes from the weights."""
+    def fn(x, w1, w2):
+        return x @ torch.cat([w1, w2]).t()
+
+    # Large enough that no pass reads its values (a small one's digest keys a stored graph).
+    x, w1, w2 = torch.randn(3, 4), torch.randn(1500, 4), torch.randn(1600, 4)
+    gm = frozen_graph(fn, x, w1, w2, frozen=(1, 2))
+    fold(gm, x, w1, w2)
+    [concat] = gm.graph.find_nodes(op="get_attr", target="_folded_0")
+    [transpose] = concat.users
+    with gm.graph.inserting_before(transpose):
+        doubled = gm.graph.call_function(aten.mul.Tensor, (concat, 2.0))
+    doubled.meta["val"] = concat.meta["val"] * 2.0
+    transpose.replace_input_with(concat, doubled)
+    attr = fold_node(gm, doubled)
+    gm.graph.lint()
+    gm.recompile()
+    assert not hasattr(gm, "_folded_0") and folded_attributes(gm) == [attr.target]
+    assert list(gm.meta[FOLDED_RECIPES]) == [attr.target]
+    assert not gm.meta[FOLDED_RECIPES][attr.target].graph.find_nodes(op="get_attr")
+    torch.testing.assert_close(gm(x, w1, w2), x @ (torch.cat([w1, w2]) * 2).t())
+
+    w1.mul_(3)
+    assert refresh_folded_constants(gm) == 1
+    torch.testing.assert_close(gm(x, w1, w2), x @ (torch.cat([w1, w2]) * 2).t())
+
+
 @pytest.mark.skipif(not inductor.inductor_available(), reason="Inductor needs a C++ compiler")
 def test_at_level_2_a_library_kernel_reads_a_folded_constant():
     """Inductor calls SDPA on CPU as a library kernel and hands it a constant as the

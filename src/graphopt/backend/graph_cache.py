@@ -30,7 +30,7 @@ import torch.fx
 from .. import cache
 from .._compat import fake
 from ..config import GraphOptimizationConfig
-from ..passes.constant_fold import FOLDED_RECIPES, FROZEN_INPUTS
+from ..passes.constant_fold import FOLDED_RECIPES, FROZEN_INPUTS, may_be_read
 from ..passes.fusion.replacement import USER_PATTERNS, Unkeyable
 from ..report import FallbackKind, GraphRecord, Report
 from . import tiers
@@ -54,8 +54,6 @@ class GraphSpec:
         return {name: value for name, value in self.__dict__.items() if name != "compiled"}
 
 
-# Passes read constants up to this many elements for their values (algebraic.py's fill values).
-READ_NUMEL = 4096
 WEIGHT_KINDS = ("parameter", "buffer")
 
 
@@ -246,7 +244,7 @@ def frozen_entry(graph: torch.fx.GraphModule, inputs: list) -> dict:
         if places[name] is None:
             raise ValueError(f"its frozen input {name} is not one of the graph's inputs")
     read = {name: cache.tensor_digest(getattr(graph, name)) for name in recipes
-            if _may_be_read(getattr(graph, name))}
+            if may_be_read(getattr(graph, name))}
     return {"inputs": places, "values": list(recipes), "read": read,
             "recipes": [(name, cache.dump_graph(recipe, recipes)) for name, recipe in recipes.items()]}
 
@@ -260,10 +258,6 @@ def _check_covered(graph: torch.fx.GraphModule, inputs: list, covered: set[int])
             if not any(x is value and i in covered for i, x in enumerate(inputs)):
                 raise ValueError(f"its folded value {name} reads {placeholder.target}, which the Dynamo graph "
                                  "seems to write, so its key leaves it out")
-
-
-def _may_be_read(value: torch.Tensor) -> bool:
-    return value.layout == torch.strided and (value.numel() <= READ_NUMEL or not value.dtype.is_floating_point)
 
 
 def bind(stored: dict, inputs: list, kinds: list[str]) -> tuple[torch.fx.GraphModule, Any] | str:

@@ -25,6 +25,8 @@ FROZEN_INPUTS = "graphopt_frozen_inputs"
 FOLDED_RECIPES = "graphopt_folded_recipes"
 # A folded value may always take this much, even when computed from scalars alone.
 MIN_BOUND_BYTES = 64 * 1024
+# Passes read constants up to this many elements for their values (algebraic.py's fill values).
+READ_NUMEL = 4096
 
 
 def fold_constants(gm: torch.fx.GraphModule) -> PassResult:
@@ -96,7 +98,7 @@ def _into_buffer(gm: torch.fx.GraphModule, node: torch.fx.Node, value: object, s
     if gm.meta.get("graphopt_level") == 2:
         _allow_constants_in_inductor(gm)
     if _from_frozen(sources[node], recipes):
-        recipes[name] = _recipe(gm, node)
+        recipes[name] = _recipe(gm, node, recipes)
     with gm.graph.inserting_before(node):
         attr = gm.graph.get_attr(name)
     attr.meta = dict(node.meta)
@@ -115,10 +117,27 @@ def _allow_constants_in_inductor(gm: torch.fx.GraphModule) -> None:
 
 
 def _erase_unread(gm: torch.fx.GraphModule, sources: dict) -> None:
-    """Erase the constant ops nothing reads any more (what only the folded values read)."""
+    """Erase the constant ops nothing reads any more (what only the folded values read),
+    and the earlier folded values (`sources`) nothing reads any more, with their buffers
+    and recipes (not one just folded, which its caller may not have wired yet, nor one a
+    pass may have read to decide a rewrite: its digest keys the stored graph): a
+    weight folded into a concatenation, then quantized from it, would otherwise keep the
+    full-precision concatenation alive beside the quantized one for nothing."""
+    recipes = gm.meta.get(FOLDED_RECIPES, {})
     for node in reversed(gm.graph.nodes):
         if node in sources and node.op == "call_function" and not node.users:
             gm.graph.erase_node(node)
+        elif node in sources and node.op == "get_attr" and node.target.startswith("_folded_") and not node.users \
+                and not may_be_read(_attr(gm, node.target)):
+            gm.graph.erase_node(node)
+            if not gm.graph.find_nodes(op="get_attr", target=node.target):
+                delattr(gm, node.target)
+                recipes.pop(node.target, None)
+
+
+def may_be_read(value: torch.Tensor) -> bool:
+    """Whether a pass may have read a folded value to decide a rewrite: small or integral ones."""
+    return value.layout == torch.strided and (value.numel() <= READ_NUMEL or not value.dtype.is_floating_point)
 
 
 def refresh_folded_constants(gm: torch.fx.GraphModule) -> int:
@@ -209,16 +228,47 @@ def _evaluate(gm: torch.fx.GraphModule, folds: list[torch.fx.Node], frozen: dict
     return env
 
 
-def _recipe(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.GraphModule:
+def _recipe(gm: torch.fx.GraphModule, node: torch.fx.Node, recipes: dict) -> torch.fx.GraphModule:
     """A GraphModule computing `node` from its constants: one placeholder per frozen
-    parameter (named like the graph's), get_attr for attributes."""
-    part = _ancestors([node])
-    graph, env = torch.fx.Graph(), {}
-    for n in gm.graph.nodes:
-        if n in part:
+    parameter (named like the graph's), get_attr for attributes. A folded value it reads
+    that has a recipe is computed from that recipe in it, so that the recipe holds no
+    folded value, which can then be freed once the graph stops reading it."""
+    ancestors = _ancestors([node])
+    part = [n for n in gm.graph.nodes if n in ancestors]
+    inlined = {n: recipes[n.target] for n in part if n.op == "get_attr" and n.target in recipes}
+    graph, env, inputs, attrs = torch.fx.Graph(), {}, {}, {}
+    # The placeholders first: a recipe is called with the frozen parameters in their order.
+    for n in part:
+        reads = inlined[n].graph.find_nodes(op="placeholder") if n in inlined else [n] if n.op == "placeholder" else []
+        for p in reads:
+            if p.target not in inputs:
+                inputs[p.target] = graph.placeholder(p.target)
+    for n in part:
+        if n in inlined:
+            env[n] = _copied(graph, inlined[n], inputs, attrs)
+        elif n.op == "placeholder":
+            env[n] = inputs[n.target]
+        else:
             env[n] = graph.node_copy(n, env.__getitem__)
+            if n.op == "get_attr":
+                attrs[n.target] = _attr(gm, n.target)
     graph.output(env[node])
-    return torch.fx.GraphModule(gm, graph)
+    return torch.fx.GraphModule(attrs, graph)
+
+
+def _copied(graph: torch.fx.Graph, recipe: torch.fx.GraphModule, inputs: dict, attrs: dict) -> torch.fx.Node:
+    """`recipe`'s nodes copied into `graph`, its placeholders bound to `inputs`; its output."""
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for r in recipe.graph.nodes:
+        if r.op == "placeholder":
+            env[r] = inputs[r.target]
+        elif r.op == "output":
+            return env[r.args[0]]
+        else:
+            env[r] = graph.node_copy(r, env.__getitem__)
+            if r.op == "get_attr":
+                attrs[r.target] = _attr(recipe, r.target)
+    raise ValueError("a recipe without an output")
 
 
 def _ancestors(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
