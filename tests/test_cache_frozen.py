@@ -139,11 +139,14 @@ CHILD = textwrap.dedent('''
     step = graphopt.optimize(decoder, cfg, pad_values={"slots": decoder.scratch_slot})
     tokens = generate(decoder, prompts, 6, step=step)
     print(json.dumps({"same": torch.equal(tokens, generate(decoder, prompts, 6)),
-                      "hits": step.report().cache_hits, "rebuilt": step.report().cache_rebuilt}))
+                      "hits": step.report().cache_hits, "misses": step.report().cache_misses,
+                      "rebuilt": step.report().cache_rebuilt}))
 ''')
 
 
-def test_two_processes_starting_at_once_on_one_cache(tmp_path):
+def test_two_processes_starting_at_once_on_one_cache(decoder, tmp_path):
+    """Two processes compile and store the same entries at once; a start after them
+    (here, in this process) loads their entry, folded from its own weights."""
     def spawn():
         return subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -155,10 +158,9 @@ def test_two_processes_starting_at_once_on_one_cache(tmp_path):
         assert child.returncode == 0, err[-3000:]
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert all(r["same"] and r["rebuilt"] == 0 for r in results)
-    third = spawn()
-    out, err = third.communicate(timeout=600)
-    assert third.returncode == 0, err[-3000:]
-    assert json.loads(out.strip().splitlines()[-1]) == {"same": True, "hits": 1, "rebuilt": 0}
+    tokens, third = generated(decoder, tmp_path)
+    assert torch.equal(tokens, generate(decoder, PROMPTS, 6))
+    assert (third.cache_hits, third.cache_rebuilt) == (1, 0), (results, third.fallbacks)
 
 
 def test_export_import_round_trip_between_two_directories(decoder, tmp_path, capsys):
