@@ -52,3 +52,19 @@ def copy_filled(filled: Filled, target: Path) -> Path:
     """A copy of the filled cache at `target` (modes kept: the signing key's, the directory's)."""
     shutil.copytree(filled.directory, target)
     return target
+
+
+class Kept:
+    """A cache directory a first start filled, put back as it was at the same path for
+    each test that reads it (a stored trace is found under its own cache_dir only: the
+    config is in its key). A module-scoped fixture makes one; its tests run one at a time."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.pristine = directory.with_name(directory.name + ".pristine")
+        shutil.copytree(directory, self.pristine)
+
+    def restore(self) -> Path:
+        shutil.rmtree(self.directory, ignore_errors=True)
+        shutil.copytree(self.pristine, self.directory)
+        return self.directory

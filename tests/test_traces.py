@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo
+from cache_starts import Kept
 from support import cache_entries as entries
 
 import graphopt
@@ -24,8 +25,8 @@ from graphopt import FallbackKind
 from graphopt._compat import guard_sources
 from graphopt.api import traces
 from graphopt.backend.backend import Backend
+from graphopt.models import Decoder, DecoderConfig, generate
 from graphopt.models import decoder as decoder_module
-from graphopt.models import generate
 
 PROMPTS = torch.randint(500, (3, 6), generator=torch.Generator().manual_seed(0))
 
@@ -36,6 +37,20 @@ def start(model, cache_dir, **config):
     cfg = graphopt.GraphOptimizationConfig(**{"graph_opt_level": 1, "cache_dir": str(cache_dir), "use_cudagraph": False,
                                               **config})
     return graphopt.optimize(model, cfg, pad_values={"slots": model.scratch_slot})
+
+
+@pytest.fixture(scope="module")
+def first_start(tmp_path_factory) -> Kept:
+    """A first start's cache (level 1, its trace stored), for the tests of what a second
+    start does with it; each test gets it back as it was (`restore()`)."""
+    torch.manual_seed(0)  # the weights of conftest's `decoder`
+    model = Decoder(DecoderConfig.tiny()).eval()
+    directory = tmp_path_factory.mktemp("first-start") / "cache"
+    first = start(model, directory)
+    generate(model, PROMPTS, 6, step=first)
+    assert first.report().traces_stored == 1
+    torch._dynamo.reset()
+    return Kept(directory)
 
 
 def no_tracing(monkeypatch):
@@ -76,28 +91,28 @@ def test_second_start_runs_the_stored_trace(decoder, tmp_path, monkeypatch, name
         assert report.replays > 0 and {c.size for c in report.captures} == {4}
 
 
-def test_other_inputs_are_traced_again_and_stored_beside(decoder, tmp_path):
+def test_other_inputs_are_traced_again_and_stored_beside(decoder, first_start):
     """The stored guards still hold: a batch of one (Dynamo specialises it) misses
     the stored dynamic-batch trace, is traced, and its trace is stored too."""
     expected = generate(decoder, PROMPTS, 6)
-    generate(decoder, PROMPTS, 6, step=start(decoder, tmp_path))
-    second = start(decoder, tmp_path)
+    cache_dir = first_start.restore()
+    second = start(decoder, cache_dir)
     assert torch.equal(generate(decoder, PROMPTS[:1], 6, step=second), expected[:1])
     assert (second.report().traces_used, second.report().traces_stored) == (0, 1)
-    third = start(decoder, tmp_path)
+    third = start(decoder, cache_dir)
     generate(decoder, PROMPTS, 6, step=third)
     generate(decoder, PROMPTS[:1], 6, step=third)
     assert (third.report().traces_used, third.report().traces_stored) == (2, 0)
 
 
-def test_a_rebound_function_is_traced_again(decoder, tmp_path, monkeypatch):
+def test_a_rebound_function_is_traced_again(decoder, first_start, monkeypatch):
     """`repeat_kv` is a module global the trace inlined; Dynamo guards it by
     identity, which cannot be stored: the trace's own record of it refuses it."""
-    generate(decoder, PROMPTS, 6, step=start(decoder, tmp_path))
+    cache_dir = first_start.restore()
     original = decoder_module.repeat_kv
     monkeypatch.setattr(decoder_module, "repeat_kv", lambda x, n: original(x, n) * 0.5)
     expected = generate(decoder, PROMPTS, 6)
-    second = start(decoder, tmp_path)
+    second = start(decoder, cache_dir)
     assert torch.equal(generate(decoder, PROMPTS, 6, step=second), expected)
     report = second.report()
     assert report.traces_used == 0
@@ -232,12 +247,12 @@ def test_a_decorated_forward_is_stored_and_checks_the_function_it_wraps(tmp_path
     assert any("L['forward']" in r for r in third.report().reasons(FallbackKind.TRACE_NOT_USED))
 
 
-def test_forward_hooks_keep_running(decoder, tmp_path):
+def test_forward_hooks_keep_running(decoder, first_start):
     calls = []
-    generate(decoder, PROMPTS, 6, step=start(decoder, tmp_path))
+    cache_dir = first_start.restore()
     handle = decoder.register_forward_hook(lambda module, args, output: calls.append(1))
     try:
-        step = start(decoder, tmp_path)
+        step = start(decoder, cache_dir)
         generate(decoder, PROMPTS, 6, step=step)
     finally:
         handle.remove()
@@ -415,17 +430,16 @@ def test_guard_sources_are_read_by_a_walker_never_evaluated():
         assert reader(source) is None, source
 
 
-def test_a_stored_guard_graphopt_cannot_read_refuses_the_trace(decoder, tmp_path):
+def test_a_stored_guard_graphopt_cannot_read_refuses_the_trace(decoder, first_start):
     """An entry whose identity guard has a source the walker refuses is not used:
     logged, and the step traced again."""
     expected = generate(decoder, PROMPTS, 6)
-    first = start(decoder, tmp_path)
-    generate(decoder, PROMPTS, 6, step=first)
-    stored = first._step.traces
+    cache_dir = first_start.restore()
+    stored = start(decoder, cache_dir)._step.traces
     entry = stored.cache.load(stored.key)
     entry["traces"][0]["identities"]["__import__('os').getcwd()"] = "constant None"
     stored.cache.store(stored.key, entry)
-    second = start(decoder, tmp_path)
+    second = start(decoder, cache_dir)
     assert torch.equal(generate(decoder, PROMPTS, 6, step=second), expected)
     assert (second.report().traces_used, second.report().traces_stored) == (0, 1)
     assert any("__import__('os').getcwd()" in r for r in second.report().reasons(FallbackKind.TRACE_NOT_USED))
