@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -179,33 +180,39 @@ def test_a_broken_entry_is_reported_and_rebuilt(decoder, filled, tmp_path, damag
 VERSIONS = {"graphopt": "test", "torch": torch.__version__, "python": "3"}
 
 
-def _write_many(directory: str, key: str, fill: int, times: int) -> None:
-    cache.versions = lambda: VERSIONS  # the same in every process, whatever the checkout holds
+def _write(directory: str, key: str, fill: int, times: int) -> None:
     store = cache.CompileCache(directory, Report(1))
     for _ in range(times):
         store.store(key, {"fill": fill, "data": torch.full((1 << 18,), fill)})
 
 
+def _write_many(directory: str, key: str, fill: int, times: int) -> None:
+    cache.versions = lambda: VERSIONS  # the same in every process, whatever the checkout holds
+    _write(directory, key, fill, times)
+
+
 def test_concurrent_writers_never_leave_a_broken_entry(tmp_path, monkeypatch):
+    """A child process and a thread of this one store one entry at once while this
+    one's main thread reads it."""
     monkeypatch.setattr(cache, "versions", lambda: VERSIONS)
     key = cache.cache_key("concurrent")
-    context = multiprocessing.get_context("spawn")
-    writers = [context.Process(target=_write_many, args=(str(tmp_path), key, fill, 30)) for fill in (1, 2)]
-    for writer in writers:
-        writer.start()
+    theirs = multiprocessing.get_context("spawn").Process(target=_write_many, args=(str(tmp_path), key, 1, 60))
+    theirs.start()
     report = Report(1)
     reader = cache.CompileCache(tmp_path, report)
     seen = set()
-    while not reader.path(key).exists() and any(w.is_alive() for w in writers):
-        time.sleep(0.05)  # the writers import torch first: reading starts with their first entry
-    while any(w.is_alive() for w in writers):
+    while not reader.path(key).exists() and theirs.is_alive():
+        time.sleep(0.05)  # the child imports torch first: the thread starts with its first entry
+    ours = threading.Thread(target=_write, args=(str(tmp_path), key, 2, 30))
+    ours.start()
+    while theirs.is_alive() or ours.is_alive():
         payload = reader.load(key)
         if payload is not None:
             assert torch.equal(payload["data"], torch.full((1 << 18,), payload["fill"]))
             seen.add(payload["fill"])
-    for writer in writers:
-        writer.join(timeout=60)
-        assert writer.exitcode == 0
+    theirs.join(timeout=60)
+    ours.join()
+    assert theirs.exitcode == 0
     assert report.cache_rebuilt == 0 and not report.fallbacks
     assert reader.load(key)["fill"] in (1, 2) and seen
     assert [p.name for p in entries(tmp_path)] == [key]  # no temporary file left behind
