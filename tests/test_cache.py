@@ -13,12 +13,15 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch._dynamo
 import torch.fx
+from cache_starts import PROMPTS, Filled, copy_filled, fill, run
 from support import assert_gradients_match
 from support import cache_entries as entries
 
@@ -27,27 +30,21 @@ from graphopt import FallbackKind, cache
 from graphopt._compat import aot_autograd
 from graphopt.backend.backend import Backend
 from graphopt.config import GraphOptimizationConfig
-from graphopt.models import generate
+from graphopt.models import Decoder, DecoderConfig, generate
 from graphopt.report import Report
 
-PROMPTS = torch.randint(500, (3, 6), generator=torch.Generator().manual_seed(0))
+
+@pytest.fixture(scope="module")
+def filled(tmp_path_factory) -> Filled:
+    return fill(tmp_path_factory)
 
 
-def run(decoder, cache_dir, **config) -> tuple[torch.Tensor, graphopt.Report]:
-    """Generate with a fresh optimized step, as a new process would."""
-    torch._dynamo.reset()
-    cfg = graphopt.GraphOptimizationConfig(**{"graph_opt_level": 1, "cache_dir": str(cache_dir), "use_cudagraph": False,
-                                              "cache_traces": False, **config})
-    step = graphopt.optimize(decoder, cfg, pad_values={"slots": decoder.scratch_slot})
-    return generate(decoder, PROMPTS, 6, step=step), step.report()
-
-
-def test_second_start_loads_the_graph_and_its_report(decoder, tmp_path):
+def test_second_start_loads_the_graph_and_its_report(decoder, filled, tmp_path):
     expected = generate(decoder, PROMPTS, 6)
-    tokens, first = run(decoder, tmp_path)
+    tokens, first = filled.tokens, filled.report
     assert (first.cache_hits, first.cache_misses) == (0, 1)
-    assert len(entries(tmp_path)) == 1
-    tokens_again, second = run(decoder, tmp_path)
+    assert len(entries(filled.directory)) == 1
+    tokens_again, second = run(decoder, copy_filled(filled, tmp_path / "cache"))
     assert torch.equal(tokens, expected) and torch.equal(tokens_again, expected)
     assert (second.cache_hits, second.cache_misses) == (1, 0)
     assert second.graphs[0].cache_hit and not first.graphs[0].cache_hit
@@ -86,15 +83,15 @@ def test_a_step_that_records_autograd_keeps_its_backward_out_of_the_cache(tmp_pa
         assert step.report().cache_misses == 1
 
 
-def test_level_1_hit_skips_aot_autograd_and_the_passes(decoder, tmp_path, monkeypatch):
-    run(decoder, tmp_path)
+def test_level_1_hit_skips_aot_autograd_and_the_passes(decoder, filled, tmp_path, monkeypatch):
+    cache_dir = copy_filled(filled, tmp_path / "cache")
 
     def refuse(*args, **kwargs):
         raise AssertionError("a level-1 hit traced again")
 
     monkeypatch.setattr(aot_autograd, "aot_inference", refuse)
     monkeypatch.setattr(graphopt.passes.manager.PassManager, "run", refuse)
-    tokens, report = run(decoder, tmp_path)
+    tokens, report = run(decoder, cache_dir)
     assert torch.equal(tokens, generate(decoder, PROMPTS, 6)) and report.cache_hits == 1
 
 
@@ -141,14 +138,14 @@ def test_hit_with_host_graphs(decoder, tmp_path):
     assert report.cache_hits == 1 and report.replays > 0 and [c.size for c in report.captures] == [4]
 
 
-def test_a_changed_config_or_version_is_a_miss(decoder, tmp_path, monkeypatch):
-    run(decoder, tmp_path)
-    _, other_config = run(decoder, tmp_path, disabled_passes=["fuse_rotary"])
+def test_a_changed_config_or_version_is_a_miss(decoder, filled, tmp_path, monkeypatch):
+    cache_dir = copy_filled(filled, tmp_path / "cache")
+    _, other_config = run(decoder, cache_dir, disabled_passes=["fuse_rotary"])
     assert other_config.cache_misses == 1 and "rotary_embedding" not in other_config.graphs[0].fused_ops
     monkeypatch.setattr(cache, "versions", lambda: {"graphopt": "0", "torch": "9.9", "python": "3.11"})
-    tokens, other_torch = run(decoder, tmp_path)
+    tokens, other_torch = run(decoder, cache_dir)
     assert other_torch.cache_misses == 1 and torch.equal(tokens, generate(decoder, PROMPTS, 6))
-    assert len(entries(tmp_path)) == 3
+    assert len(entries(cache_dir)) == 3
 
 
 def test_inductor_options_are_in_the_key():
@@ -159,9 +156,9 @@ def test_inductor_options_are_in_the_key():
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "foreign"])
-def test_a_broken_entry_is_reported_and_rebuilt(decoder, tmp_path, damage, caplog):
-    run(decoder, tmp_path)
-    [entry] = entries(tmp_path)
+def test_a_broken_entry_is_reported_and_rebuilt(decoder, filled, tmp_path, damage, caplog):
+    cache_dir = copy_filled(filled, tmp_path / "cache")
+    [entry] = entries(cache_dir)
     data = entry.read_bytes()
     if damage == "truncated":
         entry.write_bytes(data[: len(data) // 2])
@@ -170,44 +167,52 @@ def test_a_broken_entry_is_reported_and_rebuilt(decoder, tmp_path, damage, caplo
     else:  # another key's entry copied over this one
         header, _, body = data.partition(b"\n")
         entry.write_bytes(json.dumps({**json.loads(header), "key": "0" * 64}).encode() + b"\n" + body)
-    tokens, report = run(decoder, tmp_path)
+    tokens, report = run(decoder, cache_dir)
     assert torch.equal(tokens, generate(decoder, PROMPTS, 6))
     assert (report.cache_hits, report.cache_misses, report.cache_rebuilt) == (0, 1, 1)
     [reason] = report.reasons(FallbackKind.CACHE_NOT_LOADED)
     assert str(entry) in reason
     assert {"truncated": "signature", "garbage": "header", "foreign": "another key"}[damage] in reason
-    _, repaired = run(decoder, tmp_path)
+    _, repaired = run(decoder, cache_dir)
     assert repaired.cache_hits == 1
 
 
 VERSIONS = {"graphopt": "test", "torch": torch.__version__, "python": "3"}
 
 
-def _write_many(directory: str, key: str, fill: int, times: int) -> None:
-    cache.versions = lambda: VERSIONS  # the same in every process, whatever the checkout holds
+def _write(directory: str, key: str, fill: int, times: int) -> None:
     store = cache.CompileCache(directory, Report(1))
     for _ in range(times):
         store.store(key, {"fill": fill, "data": torch.full((1 << 18,), fill)})
 
 
+def _write_many(directory: str, key: str, fill: int, times: int) -> None:
+    cache.versions = lambda: VERSIONS  # the same in every process, whatever the checkout holds
+    _write(directory, key, fill, times)
+
+
 def test_concurrent_writers_never_leave_a_broken_entry(tmp_path, monkeypatch):
+    """A child process and a thread of this one store one entry at once while this
+    one's main thread reads it."""
     monkeypatch.setattr(cache, "versions", lambda: VERSIONS)
     key = cache.cache_key("concurrent")
-    context = multiprocessing.get_context("spawn")
-    writers = [context.Process(target=_write_many, args=(str(tmp_path), key, fill, 30)) for fill in (1, 2)]
-    for writer in writers:
-        writer.start()
+    theirs = multiprocessing.get_context("spawn").Process(target=_write_many, args=(str(tmp_path), key, 1, 60))
+    theirs.start()
     report = Report(1)
     reader = cache.CompileCache(tmp_path, report)
     seen = set()
-    while any(w.is_alive() for w in writers):
+    while not reader.path(key).exists() and theirs.is_alive():
+        time.sleep(0.05)  # the child imports torch first: the thread starts with its first entry
+    ours = threading.Thread(target=_write, args=(str(tmp_path), key, 2, 30))
+    ours.start()
+    while theirs.is_alive() or ours.is_alive():
         payload = reader.load(key)
         if payload is not None:
             assert torch.equal(payload["data"], torch.full((1 << 18,), payload["fill"]))
             seen.add(payload["fill"])
-    for writer in writers:
-        writer.join(timeout=60)
-        assert writer.exitcode == 0
+    theirs.join(timeout=60)
+    ours.join()
+    assert theirs.exitcode == 0
     assert report.cache_rebuilt == 0 and not report.fallbacks
     assert reader.load(key)["fill"] in (1, 2) and seen
     assert [p.name for p in entries(tmp_path)] == [key]  # no temporary file left behind
@@ -227,8 +232,10 @@ def test_unwritable_directory_is_reported_not_raised(decoder, tmp_path):
     assert report.fallback_counts[FallbackKind.CACHE_NOT_STORED] >= 1
 
 
-def test_level_2_hit_keeps_the_report(decoder, tmp_path, monkeypatch):
+def test_level_2_hit_keeps_the_report(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch.manual_seed(0)
+    decoder = Decoder(DecoderConfig.tiny(num_layers=1)).eval()  # level 2's C++ code for one layer: compiled faster
     expected = generate(decoder, PROMPTS, 6)
     tokens, first = run(decoder, tmp_path / "graphopt", graph_opt_level=2)
     tokens_again, second = run(decoder, tmp_path / "graphopt", graph_opt_level=2)
@@ -274,12 +281,13 @@ def test_subgraph_attributes_are_in_the_key_and_never_stored():
 
 
 # A user pattern whose extra_check reads a global (ALLOW) and calls a helper (`decide`,
-# its source from argv): two processes may differ in either and nothing else.
-PATTERN_CHILD = textwrap.dedent('''
-    import json, sys, torch, graphopt
-    cache_dir, traces, allow, helper_source = sys.argv[1:]
-    ALLOW = allow == "allow"
-    exec(helper_source)  # def decide(flag): ...
+# its source exec'd): two processes may differ in either and nothing else. One process
+# runs several starts: argv[1] "first" fills a cache per mode (stored traces or graphs
+# only) with the pattern allowed; "second" starts each (mode, ALLOW, helper) of argv[3]
+# (JSON) on a fresh copy of its mode's filled cache, as a later process would.
+PATTERN_CHILD = textwrap.dedent("""
+    import json, shutil, sys, torch, graphopt
+    role, base, variants = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 
     def silu_search(x):
         return x * torch.sigmoid(x)
@@ -290,56 +298,71 @@ PATTERN_CHILD = textwrap.dedent('''
     def check(match):
         return decide(ALLOW)
 
-    graphopt.register_replacement(silu_search, silu_replace, [torch.randn(2, 8)], extra_check=check)
-
     def step(x):
         return x * torch.sigmoid(x) + 1
 
-    opt = graphopt.optimize(step, graphopt.GraphOptimizationConfig(
-        graph_opt_level=1, cache_dir=cache_dir, use_cudagraph=False, cache_traces=traces == "traces"))
-    x = torch.randn(4, 8)
-    torch.testing.assert_close(opt(x), step(x))
-    report = opt.report()
-    silu = sum(n.target == torch.ops.aten.silu.default for gm in opt.graphs() for n in gm.graph.nodes)
-    print(json.dumps({"hits": report.cache_hits, "misses": report.cache_misses, "silu": silu,
-                      "matches": next(p.counts for p in report.passes if p.name == "user_replacements"),
-                      "traces_used": report.traces_used,
-                      "trace_refused": bool(report.reasons(graphopt.FallbackKind.TRACE_NOT_USED))}))
-''')
+    results = []
+    for traces, allow, helper_source in variants:
+        cache_dir = f"{base}/{traces}/cache"
+        if role == "second":  # the first process's cache as it left it: the config keys the traces on its path
+            shutil.rmtree(cache_dir, ignore_errors=True)
+            shutil.copytree(f"{base}/{traces}/filled", cache_dir)
+        ALLOW = allow == "allow"
+        exec(helper_source)  # def decide(flag): ...
+        registration = graphopt.register_replacement(silu_search, silu_replace, [torch.randn(2, 8)],
+                                                     extra_check=check)
+        torch._dynamo.reset()
+        opt = graphopt.optimize(step, graphopt.GraphOptimizationConfig(
+            graph_opt_level=1, cache_dir=cache_dir, use_cudagraph=False, cache_traces=traces == "traces"))
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(opt(x), step(x))
+        report = opt.report()
+        silu = sum(n.target == torch.ops.aten.silu.default for gm in opt.graphs() for n in gm.graph.nodes)
+        results.append({"hits": report.cache_hits, "misses": report.cache_misses, "silu": silu,
+                        "matches": next(p.counts for p in report.passes if p.name == "user_replacements"),
+                        "traces_used": report.traces_used,
+                        "trace_refused": bool(report.reasons(graphopt.FallbackKind.TRACE_NOT_USED))})
+        registration.remove()
+    print(json.dumps(results))
+""")
 IDENTITY = "def decide(flag):\n    return flag"
 NEGATION = "def decide(flag):\n    return not flag"
+MODES = ["traces", "graphs only"]
+VARIANTS = {"same registration": ("allow", IDENTITY), "global value vetoes": ("veto", IDENTITY),
+            "helper code vetoes": ("allow", NEGATION)}
 
 
-def pattern_process(cache_dir: Path, traces: str, allow: str, helper: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", PATTERN_CHILD, str(cache_dir), traces, allow, helper],
+def pattern_process(role: str, base: Path, variants: list[tuple[str, str, str]]) -> list[dict]:
+    done = subprocess.run([sys.executable, "-c", PATTERN_CHILD, role, str(base), json.dumps(variants)],
                           capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module", params=["traces", "graphs only"])
-def allowed_cache(request, tmp_path_factory) -> tuple[str, Path, Path]:
-    """A compile cache a first process filled with the pattern allowed (x * sigmoid(x)
-    became silu), and a copy of it to put back: a stored trace is found under the
-    same cache_dir only (the config is in its key)."""
+@pytest.fixture(scope="module")
+def second_starts(tmp_path_factory) -> dict[tuple[str, str], dict]:
+    """What a later process saw for each mode and variant, on a copy of the compile
+    cache a first process filled with the pattern allowed (x * sigmoid(x) became silu):
+    a stored trace is found under the same cache_dir only (the config is in its key)."""
     base = tmp_path_factory.mktemp("allowed")
-    first = pattern_process(base / "cache", request.param, "allow", IDENTITY)
-    assert (first["hits"], first["misses"], first["silu"], first["matches"]) == (0, 1, 1, {"silu_search": 1})
-    shutil.copytree(base / "cache", base / "filled")
-    return request.param, base / "cache", base / "filled"
+    firsts = pattern_process("first", base, [(mode, "allow", IDENTITY) for mode in MODES])
+    for mode, first in zip(MODES, firsts):
+        assert (first["hits"], first["misses"], first["silu"], first["matches"]) == (0, 1, 1, {"silu_search": 1})
+        shutil.copytree(base / mode / "cache", base / mode / "filled")
+    # The same registration first: it must hit in a process that never compiled the step.
+    runs = [(mode, name) for mode in MODES for name in VARIANTS]
+    seconds = pattern_process("second", base, [(mode, *VARIANTS[name]) for mode, name in runs])
+    return dict(zip(runs, seconds))
 
 
-@pytest.mark.parametrize("allow, helper", [("allow", IDENTITY), ("veto", IDENTITY), ("allow", NEGATION)],
-                         ids=["same registration", "global value vetoes", "helper code vetoes"])
-def test_a_changed_extra_check_is_a_miss_in_another_process(allowed_cache, allow, helper):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("traces", MODES)
+def test_a_changed_extra_check_is_a_miss_in_another_process(second_starts, traces, variant):
     """Issue #25: an extra_check that decides otherwise in a later process, by a
     global it reads or a helper it calls, never loads the graph the first one
     shaped; the same registration still hits, through stored traces or not."""
-    traces, cache_dir, filled = allowed_cache
-    shutil.rmtree(cache_dir)
-    shutil.copytree(filled, cache_dir)
-    second = pattern_process(cache_dir, traces, allow, helper)
-    if (allow, helper) == ("allow", IDENTITY):
+    second = second_starts[traces, variant]
+    if variant == "same registration":
         assert (second["hits"], second["misses"], second["silu"]) == (1, 0, 1)
         assert second["traces_used"] == (traces == "traces")
     else:

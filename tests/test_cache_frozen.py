@@ -17,13 +17,14 @@ import textwrap
 import pytest
 import torch
 import torch._dynamo
+from cache_starts import Kept
 from support import cache_entries as entries
 
 import graphopt
 from graphopt import FallbackKind, cache, cache_transfer
 from graphopt.cli import main as cli
 from graphopt.config import tolerance
-from graphopt.models import generate
+from graphopt.models import Decoder, DecoderConfig, generate
 
 PROMPTS = torch.randint(500, (3, 6), generator=torch.Generator().manual_seed(0))
 
@@ -50,14 +51,27 @@ def stored(cache_dir) -> list[dict]:
     return payloads
 
 
-def test_level_1_frozen_second_start_loads_without_the_weights(decoder, tmp_path):
+@pytest.fixture(scope="module")
+def first_start(tmp_path_factory) -> tuple[Kept, torch.Tensor, graphopt.Report]:
+    """A first level-1 start's cache of frozen graphs, put back as it was for each test
+    (`restore()`), with that start's tokens and report."""
+    torch.manual_seed(0)  # the weights of conftest's `decoder`
+    model = Decoder(DecoderConfig.tiny()).eval()
+    directory = tmp_path_factory.mktemp("first-start") / "cache"
+    tokens, report = generated(model, directory)
+    torch._dynamo.reset()
+    return Kept(directory), tokens, report
+
+
+def test_level_1_frozen_second_start_loads_without_the_weights(decoder, first_start):
     expected = generate(decoder, PROMPTS, 6)
-    tokens, first = generated(decoder, tmp_path)
-    tokens_again, second = generated(decoder, tmp_path)
+    kept, tokens, first = first_start
+    cache_dir = kept.restore()
+    tokens_again, second = generated(decoder, cache_dir)
     assert torch.equal(tokens, expected) and torch.equal(tokens_again, expected)
     assert (first.cache_hits, first.cache_misses, second.cache_hits, second.cache_misses) == (0, 1, 1, 0)
     assert second.graphs[0].cache_hit and "loaded from the compile cache" in str(second)
-    [entry] = [e for e in stored(tmp_path) if "frozen" in e]
+    [entry] = [e for e in stored(cache_dir) if "frozen" in e]
     folded = entry["frozen"]["values"]
     assert folded  # the decoder's fused projections are folded from its weights
     kept = {**entry["lowered"]["attributes"], **entry["graph"]["attributes"]}
@@ -66,18 +80,18 @@ def test_level_1_frozen_second_start_loads_without_the_weights(decoder, tmp_path
     assert sum(t.numel() * t.element_size() for t in kept.values()) < weights / 10
 
 
-def test_level_1_a_changed_weight_refolds_on_the_second_start(decoder, tmp_path):
-    generated(decoder, tmp_path)
+def test_level_1_a_changed_weight_refolds_on_the_second_start(decoder, first_start):
+    cache_dir = first_start[0].restore()
     with torch.no_grad():
         for layer in decoder.layers:
             layer.mlp.up_proj.weight.mul_(1.5)
             layer.self_attn.k_proj.weight.neg_()
     expected = generate(decoder, PROMPTS, 6)
-    tokens, report = generated(decoder, tmp_path)
+    tokens, report = generated(decoder, cache_dir)
     assert torch.equal(tokens, expected) and report.cache_hits == 1
     with torch.no_grad():  # refresh() after a hit reaches the values it folded
         decoder.layers[0].mlp.gate_proj.weight.mul_(-2)
-    step = start(decoder, tmp_path)
+    step = start(decoder, cache_dir)
     generate(decoder, PROMPTS, 2, step=step)
     decoder.layers[0].mlp.down_proj.weight.data.mul_(3)
     assert step.refresh() > 0
@@ -112,8 +126,10 @@ def test_level_1_a_changed_value_the_passes_read_compiles_again(tmp_path):
     assert report.fallback_counts[FallbackKind.CACHE_NOT_LOADED] >= 1
 
 
-def test_level_2_frozen_second_start_hits_and_a_changed_weight_misses(decoder, tmp_path, monkeypatch):
+def test_level_2_frozen_second_start_hits_and_a_changed_weight_misses(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch.manual_seed(0)
+    decoder = Decoder(DecoderConfig.tiny(num_layers=1)).eval()  # level 2's C++ code for one layer: compiled faster
     expected = generate(decoder, PROMPTS, 6)
     tokens, first = generated(decoder, tmp_path / "graphopt", graph_opt_level=2)
     tokens_again, second = generated(decoder, tmp_path / "graphopt", graph_opt_level=2)
@@ -137,53 +153,59 @@ CHILD = textwrap.dedent('''
     cfg = graphopt.GraphOptimizationConfig(graph_opt_level=1, cache_dir=sys.argv[1], use_cudagraph=False,
                                            freeze_parameters=True)
     step = graphopt.optimize(decoder, cfg, pad_values={"slots": decoder.scratch_slot})
+    print("ready", flush=True)  # imported: the test's own start begins with this one's compile
     tokens = generate(decoder, prompts, 6, step=step)
     print(json.dumps({"same": torch.equal(tokens, generate(decoder, prompts, 6)),
-                      "hits": step.report().cache_hits, "rebuilt": step.report().cache_rebuilt}))
+                      "hits": step.report().cache_hits, "misses": step.report().cache_misses,
+                      "rebuilt": step.report().cache_rebuilt}))
 ''')
 
 
-def test_two_processes_starting_at_once_on_one_cache(tmp_path):
-    def spawn():
-        return subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-    children = [spawn(), spawn()]
-    results = []
-    for child in children:
-        out, err = child.communicate(timeout=600)
-        assert child.returncode == 0, err[-3000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    assert all(r["same"] and r["rebuilt"] == 0 for r in results)
-    third = spawn()
-    out, err = third.communicate(timeout=600)
-    assert third.returncode == 0, err[-3000:]
-    assert json.loads(out.strip().splitlines()[-1]) == {"same": True, "hits": 1, "rebuilt": 0}
-
-
-def test_export_import_round_trip_between_two_directories(decoder, tmp_path, capsys):
+def test_two_processes_starting_at_once_on_one_cache(decoder, tmp_path):
+    """A child process and this one compile and store the same entries at once (this
+    one's start begins when the child has imported torch and is about to compile); a
+    start after them loads their entry, folded from its own weights."""
+    cache_dir = tmp_path / "cache"
+    with open(tmp_path / "child.err", "w+") as err:
+        child = subprocess.Popen([sys.executable, "-c", CHILD, str(cache_dir)], stdout=subprocess.PIPE, stderr=err,
+                                 text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        ready = child.stdout.readline()
+        tokens, ours = generated(decoder, cache_dir) if ready == "ready\n" else (None, None)
+        out, _ = child.communicate(timeout=600)
+        err.seek(0)
+        assert child.returncode == 0 and ready == "ready\n", err.read()[-3000:]
+    theirs = json.loads(out.strip().splitlines()[-1])
     expected = generate(decoder, PROMPTS, 6)
-    generated(decoder, tmp_path / "a")
-    assert cli.main(["cache", "export", str(tmp_path / "a.tar.gz"), "--cache-dir", str(tmp_path / "a")]) == 0
+    assert theirs["same"] and theirs["rebuilt"] == 0, theirs
+    assert torch.equal(tokens, expected) and ours.cache_rebuilt == 0, ours.fallbacks
+    tokens, after = generated(decoder, cache_dir)
+    assert torch.equal(tokens, expected)
+    assert (after.cache_hits, after.cache_rebuilt) == (1, 0), (theirs, ours.fallbacks, after.fallbacks)
+
+
+def test_export_import_round_trip_between_two_directories(decoder, first_start, tmp_path, capsys):
+    expected = generate(decoder, PROMPTS, 6)
+    filled = first_start[0].restore()
+    assert cli.main(["cache", "export", str(tmp_path / "a.tar.gz"), "--cache-dir", str(filled)]) == 0
     assert cli.main(["cache", "import", str(tmp_path / "a.tar.gz"), "--cache-dir", str(tmp_path / "b")]) == 0
-    assert f"imported {len(entries(tmp_path / 'a'))} entries, refused 0" in capsys.readouterr().out
-    assert (tmp_path / "a" / "signing.key").read_bytes() != (tmp_path / "b" / "signing.key").read_bytes()
+    assert f"imported {len(entries(filled))} entries, refused 0" in capsys.readouterr().out
+    assert (filled / "signing.key").read_bytes() != (tmp_path / "b" / "signing.key").read_bytes()
     tokens, report = generated(decoder, tmp_path / "b")
     assert torch.equal(tokens, expected) and (report.cache_hits, report.cache_misses, report.cache_rebuilt) == (1, 0, 0)
 
 
-def test_an_entry_from_another_torch_is_refused_with_its_reason(decoder, tmp_path, monkeypatch, caplog):
-    generated(decoder, tmp_path / "a")
+def test_an_entry_from_another_torch_is_refused_with_its_reason(first_start, tmp_path, monkeypatch, caplog):
+    filled = first_start[0].restore()
     other = {**cache.versions(), "torch": "2.0.0"}
     monkeypatch.setattr(cache, "versions", lambda: other)  # the exporting machine's torch
-    for path in entries(tmp_path / "a"):  # rewritten as that torch would have written it
+    for path in entries(filled):  # rewritten as that torch would have written it
         line, _, body = path.read_bytes().partition(b"\n")
         header = json.loads(line)
         path.write_bytes(json.dumps({**header, "torch": "2.0.0"}).encode() + b"\n" + body)
-    cache_transfer.export(tmp_path / "a", tmp_path / "a.tar.gz")
+    cache_transfer.export(filled, tmp_path / "a.tar.gz")
     monkeypatch.undo()
     done = cache_transfer.import_(tmp_path / "a.tar.gz", tmp_path / "b")
-    assert done.moved == 0 and len(done.refused) == len(entries(tmp_path / "a"))
+    assert done.moved == 0 and len(done.refused) == len(entries(filled))
     assert set(done.refused.values()) == {f"written by torch 2.0.0, this is {torch.__version__}"}
     assert "refused" in caplog.text and "written by torch 2.0.0" in caplog.text
     assert not entries(tmp_path / "b")
