@@ -16,6 +16,14 @@ from graphopt.models import Decoder, DecoderConfig
 ATOL, RTOL = tolerance(torch.float32)
 
 
+@pytest.fixture
+def decoder() -> Decoder:
+    """One layer: what these tests read (Dynamo's dispatch, the replays, the frozen inputs)
+    is the same for every layer, and each layer adds its share to every compile."""
+    torch.manual_seed(0)
+    return Decoder(DecoderConfig.tiny(num_layers=1)).eval()
+
+
 def test_backend_is_registered_by_name():
     assert "graphopt" in torch._dynamo.list_backends()
 
@@ -68,7 +76,8 @@ def device_graph_config(level=1, **kw):
 @pytest.mark.parametrize("level", [0, 1])
 def test_backend_object_replays_device_graphs(level):
     torch.manual_seed(0)
-    eager, model = Decoder(DecoderConfig.tiny()).eval(), Decoder(DecoderConfig.tiny()).eval()
+    config = DecoderConfig.tiny(num_layers=1)
+    eager, model = Decoder(config).eval(), Decoder(config).eval()
     model.load_state_dict(eager.state_dict())
     backend = graphopt.Backend(device_graph_config(level), pad_values={"slots": model.scratch_slot})
     compiled = torch.compile(model, backend=backend)
@@ -158,35 +167,6 @@ def test_dynamo_giving_up_is_counted():
     assert "recompile_limit" in reason  # the setting to raise
 
 
-ISA_CHECKS = """
-import sys, threading, torch, graphopt
-from torch._inductor import cpu_vec_isa
-def started():
-    return any(t.name == "graphopt-cpu-isa-checks" for t in threading.enumerate())
-graphopt.Backend(graphopt.GraphOptimizationConfig(graph_opt_level=1, cache_dir=None))
-assert not started() and cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 0
-graphopt.Backend(graphopt.GraphOptimizationConfig(graph_opt_level=2, cache_dir=None))
-assert started()
-imported = set(sys.modules)
-next(t for t in threading.enumerate() if t.name == "graphopt-cpu-isa-checks").join(300)
-assert set(sys.modules) == imported, set(sys.modules) - imported  # the thread imports nothing
-assert cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 1
-assert cpu_vec_isa.pick_vec_isa() in cpu_vec_isa.valid_vec_isa_list()
-print("ok")
-"""
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the checks are for CPU-only processes")
-def test_a_level_2_backend_starts_inductors_cpu_isa_checks_at_once(tmp_path):
-    """The C++ compiles Inductor's first CPU compile begins with run on a thread
-    from the moment a level-2 Backend exists, beside Dynamo's trace (a fresh
-    process: Inductor keeps their result for the process)."""
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
-    done = subprocess.run([sys.executable, "-c", ISA_CHECKS], capture_output=True, text=True, timeout=600,
-                          env=env, check=False)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
-
-
 def test_a_backend_gives_its_recompile_budget_back_when_it_goes():
     """Each Backend raises Dynamo's per-function recompile limit by its share while it
     lives (its graphs count against that limit) and lowers it again when it is gone."""
@@ -204,11 +184,37 @@ def test_a_backend_gives_its_recompile_budget_back_when_it_goes():
     assert recompile_limit() == before
 
 
-QUIET_COMPILE = """
-import torch, graphopt
+# One fresh process (Inductor keeps what both tests read for the process): first a
+# level-2 Backend's ISA checks, whose outcome goes to a file, then a level-2 compile that
+# must print nothing at all.
+LEVEL_2_PROCESS = """
+import pathlib, sys, threading, traceback, torch, graphopt
+from torch._inductor import cpu_vec_isa
 from graphopt.models import Decoder, DecoderConfig
+
+def started():
+    return any(t.name == "graphopt-cpu-isa-checks" for t in threading.enumerate())
+
+def isa_checks():
+    graphopt.Backend(graphopt.GraphOptimizationConfig(graph_opt_level=1, cache_dir=None))
+    assert not started() and cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 0
+    graphopt.Backend(graphopt.GraphOptimizationConfig(graph_opt_level=2, cache_dir=None))
+    assert started()
+    imported = set(sys.modules)
+    next(t for t in threading.enumerate() if t.name == "graphopt-cpu-isa-checks").join(300)
+    assert set(sys.modules) == imported, set(sys.modules) - imported  # the thread imports nothing
+    assert cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 1
+    assert cpu_vec_isa.pick_vec_isa() in cpu_vec_isa.valid_vec_isa_list()
+
+try:
+    isa_checks()
+    outcome = "ok"
+except Exception:
+    outcome = traceback.format_exc()
+pathlib.Path(sys.argv[1]).write_text(outcome)
+
 torch.manual_seed(0)
-model = Decoder(DecoderConfig.tiny()).eval()
+model = Decoder(DecoderConfig.tiny(num_layers=1)).eval()
 config = graphopt.GraphOptimizationConfig(graph_opt_level=2, freeze_parameters=True, use_cudagraph=False,
                                           cache_dir=None)
 opt = graphopt.optimize(model, config)
@@ -225,13 +231,31 @@ assert any(g.gemms for g in report.graphs) and not report.fallbacks, report.fall
 """
 
 
+@pytest.fixture(scope="module")
+def level_2_process(tmp_path_factory):
+    """The fresh process's result and the ISA checks' outcome ("ok" or their traceback)."""
+    folder = tmp_path_factory.mktemp("level-2-process")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(folder / "inductor"))
+    script = LEVEL_2_PROCESS.format(atol=ATOL, rtol=RTOL)
+    done = subprocess.run([sys.executable, "-c", script, str(folder / "isa-checks")], capture_output=True,
+                          text=True, timeout=600, env=env, check=False)
+    outcome = folder / "isa-checks"
+    return done, outcome.read_text() if outcome.exists() else "the process ended before the checks"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the checks are for CPU-only processes")
+def test_a_level_2_backend_starts_inductors_cpu_isa_checks_at_once(level_2_process):
+    """The C++ compiles Inductor's first CPU compile begins with run on a thread
+    from the moment a level-2 Backend exists, beside Dynamo's trace (a fresh
+    process: Inductor keeps their result for the process)."""
+    done, outcome = level_2_process
+    assert outcome == "ok", outcome + done.stderr[-3000:]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the autotuned GEMMs of frozen weights are the CPU's")
-def test_a_level_2_compile_with_autotuned_gemms_prints_nothing(tmp_path):
+def test_a_level_2_compile_with_autotuned_gemms_prints_nothing(level_2_process):
     """Inductor times each GEMM of a frozen weight; what it chose is in the report and
     nothing reaches stdout or stderr (a fresh process: some of it is printed once)."""
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
-    script = QUIET_COMPILE.format(atol=ATOL, rtol=RTOL)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                          env=env, check=False)
+    done, _ = level_2_process
     assert done.returncode == 0, done.stderr[-3000:]
     assert (done.stdout, done.stderr) == ("", "")

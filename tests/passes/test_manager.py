@@ -7,10 +7,19 @@ from support import decode_inputs
 import graphopt
 from graphopt import FallbackKind
 from graphopt.config import tolerance
+from graphopt.models import Decoder, DecoderConfig
 from graphopt.passes import manager
 from graphopt.passes.base import PassResult
 
 aten = torch.ops.aten
+
+
+@pytest.fixture
+def decoder() -> Decoder:
+    """One layer: what these tests read (the pipeline, its dumps, a pass undone or named)
+    is in every layer alike, and each layer adds its share to every compile."""
+    torch.manual_seed(0)
+    return Decoder(DecoderConfig.tiny(num_layers=1)).eval()
 
 
 def config(**kw):

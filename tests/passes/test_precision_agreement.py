@@ -10,9 +10,18 @@ from support import decode_inputs, unexpected_fallbacks
 
 import graphopt
 from graphopt._compat import mkldnn
+from graphopt.models import Decoder, DecoderConfig
 from graphopt.passes import precision, quantize
 
 aten = torch.ops.aten
+
+
+@pytest.fixture
+def decoder() -> Decoder:
+    """One layer: its logits are a causal LM's all the same, and each layer adds its share to
+    every compile."""
+    torch.manual_seed(0)
+    return Decoder(DecoderConfig.tiny(num_layers=1)).eval()
 
 
 @pytest.fixture(autouse=True)

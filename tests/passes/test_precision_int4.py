@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import graphopt
 from graphopt import FallbackKind
 from graphopt.config import tolerance
+from graphopt.models import Decoder, DecoderConfig
 from graphopt.passes import precision
 from graphopt.passes.quantize import INT4_GROUP
 
@@ -24,6 +25,14 @@ GEMMS = (aten.mm.default, aten.addmm.default, aten.linear.default)
 # int4's stated bound against eager float32: the largest error as a share of the output's
 # largest magnitude, on these random-weight models (measured: 0.06 and 0.11).
 INT4_BOUND = 0.3
+
+
+@pytest.fixture
+def decoder() -> Decoder:
+    """One layer: the counts below are per layer, and each layer adds its share to every
+    compile."""
+    torch.manual_seed(0)
+    return Decoder(DecoderConfig.tiny(num_layers=1)).eval()
 
 
 class MLP(torch.nn.Module):
