@@ -10,17 +10,25 @@ from graphopt.models import Decoder, DecoderConfig, generate
 
 aten = torch.ops.aten
 ATOL, RTOL = tolerance(torch.float32)
+# One layer: each test compiles its decoder afresh, and one layer shows every rule here.
+CONFIG = DecoderConfig.tiny(num_layers=1)
 
 
 def config(level=1, **kw):
     return graphopt.GraphOptimizationConfig(graph_opt_level=level, use_cudagraph=False, **kw)
 
 
+@pytest.fixture
+def decoder() -> Decoder:
+    torch.manual_seed(0)
+    return Decoder(CONFIG).eval()
+
+
 def twin_decoders():
     """Two decoders with the same weights and caches: one eager, one to optimize."""
     torch.manual_seed(0)
-    eager = Decoder(DecoderConfig.tiny()).eval()
-    other = Decoder(DecoderConfig.tiny()).eval()
+    eager = Decoder(CONFIG).eval()
+    other = Decoder(CONFIG).eval()
     other.load_state_dict(eager.state_dict())
     return eager, other
 
@@ -60,7 +68,7 @@ def test_kv_cache_is_written_in_place_inside_the_graph(decoder):
     ops = [n.target for n in graph.graph.nodes if n.op == "call_function"]
     assert aten.copy_.default not in ops
     assert aten.index_put.default not in ops
-    assert ops.count(aten.index_put_.default) == 2 * DecoderConfig.tiny().num_layers
+    assert ops.count(aten.index_put_.default) == 2 * CONFIG.num_layers
     assert [c.data_ptr() for c in caches(decoder)] == addresses
 
 

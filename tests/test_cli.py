@@ -1,41 +1,70 @@
+import contextlib
+import io
+
 import pytest
+import torch
 
 from graphopt.cli import main as cli
 from graphopt.cli.main import DemoRow, main, run_demo
 
 # Levels 0 and 1 only: level 2 compiles with Inductor, too slow for a unit test.
 SMALL = ["--levels", "0,1", "--device-graphs", "1", "--batch-sizes", "1,3", "--new-tokens", "4", "--repeats", "1"]
+# A variant's turn in a timed round: the tests read the rows and the table, never the speed.
+SHORT_ROUND_S = 0.01
+
+
+@pytest.fixture
+def short_rounds(monkeypatch):
+    monkeypatch.setattr(cli, "ROUND_S", SHORT_ROUND_S)
 
 
 @pytest.fixture(scope="module")
-def rows() -> list[DemoRow]:
-    return run_demo(levels=[0, 1], batch_sizes=[1, 3], prompt_len=4, new_tokens=4, repeats=1)
+def demo(tmp_path_factory) -> tuple[int, str, list[DemoRow]]:
+    """`graphopt demo` with SMALL, once, in its own compile cache:
+    (exit code, what it printed, the rows run_demo gave it)."""
+    rows: list[DemoRow] = []
+
+    def recorded(*args, **kwargs):
+        rows.extend(real(*args, **kwargs))
+        return rows
+
+    real, stdout = cli.run_demo, io.StringIO()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path_factory.mktemp("graphopt-cache")))
+        patch.setattr(cli, "ROUND_S", SHORT_ROUND_S)
+        patch.setattr(cli, "run_demo", recorded)
+        torch._dynamo.reset()
+        with contextlib.redirect_stdout(stdout):
+            code = main(["demo", *SMALL])
+        torch._dynamo.reset()
+    return code, stdout.getvalue(), rows
 
 
-def test_demo_prints_a_table_and_succeeds(capsys):
-    assert main(["demo", *SMALL]) == 0
-    out = capsys.readouterr().out
+def test_demo_prints_a_table_and_succeeds(demo):
+    code, out, _ = demo
+    assert code == 0
     for text in ("eager", "level 0", "level 1", "level 1 + graphs", "tokens/s", "yes", "prefill + decode"):
         assert text in out
     assert "NO" not in out
 
 
-def test_run_demo_gives_one_row_per_variant_and_batch(rows):
+def test_run_demo_gives_one_row_per_variant_and_batch(demo):
+    _, _, rows = demo
     assert [(r.variant, r.batch) for r in rows] == [
-        (variant, batch) for variant in ("eager", "level 0", "level 1") for batch in (1, 3)
+        (variant, batch) for variant in ("eager", "level 0", "level 1", "level 1 + graphs") for batch in (1, 3)
     ]
     assert all(r.tokens_equal for r in rows)
     assert all(r.tokens_per_s > 0 for r in rows)
     assert all(r.graphs is None for r in rows if r.variant == "eager")
 
 
-def test_one_level_1_module_serves_every_batch_size(rows):
-    level_1 = [r for r in rows if r.variant == "level 1"]
+def test_one_level_1_module_serves_every_batch_size(demo):
+    level_1 = [r for r in demo[2] if r.variant == "level 1"]
     # Dynamo may specialise batch size 1; any other size must reuse the dynamic graph.
     assert level_1[-1].graphs <= 2
 
 
-def test_verbose_prints_each_level_report_summary(capsys):
+def test_verbose_prints_each_level_report_summary(capsys, short_rounds):
     assert main(["demo", *SMALL, "--levels", "0", "--device-graphs", "0", "--verbose"]) == 0
     assert "level 0: graphopt report: graph_opt_level=0" in capsys.readouterr().out
 

@@ -15,10 +15,18 @@ import graphopt
 from graphopt import FallbackKind
 from graphopt._compat.ops import current_dispatch_mode
 from graphopt.config import tolerance
+from graphopt.models import Decoder, DecoderConfig
 from graphopt.runtime import native_tape
 from graphopt.runtime.analysis.safety import CaptureError
 from graphopt.runtime.host_arena import HostPool
 from graphopt.runtime.host_graph import HostGraph
+
+
+@pytest.fixture
+def decoder() -> Decoder:
+    """One layer: the tests that compile it do so afresh for each tape."""
+    torch.manual_seed(0)
+    return Decoder(DecoderConfig.tiny(num_layers=1)).eval()
 
 
 @pytest.fixture(autouse=True, params=["native", "python"])

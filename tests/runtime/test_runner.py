@@ -14,12 +14,14 @@ from graphopt.models import Decoder, DecoderConfig, generate
 
 ATOL, RTOL = tolerance(torch.float32)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+# One layer: every runner rule shows on it, and each test compiles it afresh.
+CONFIG = DecoderConfig.tiny(num_layers=1)
 
 
 def twin_decoders(device="cpu"):
     torch.manual_seed(0)
-    eager = Decoder(DecoderConfig.tiny()).eval().to(device)
-    model = Decoder(DecoderConfig.tiny()).eval().to(device)
+    eager = Decoder(CONFIG).eval().to(device)
+    model = Decoder(CONFIG).eval().to(device)
     model.load_state_dict(eager.state_dict())
     return eager, model
 
@@ -117,7 +119,7 @@ def test_load_state_dict_in_place_is_seen_without_recapture(device):
         warm_and_capture(opt, *inputs)
     assert opt.report().captures
     torch.manual_seed(7)
-    fresh = Decoder(DecoderConfig.tiny()).state_dict()
+    fresh = Decoder(CONFIG).state_dict()
     model.load_state_dict(fresh)
     eager.load_state_dict(fresh)
     with torch.inference_mode():
