@@ -12,7 +12,10 @@
 // A query with no key to read averages every key of its row with equal weights, as
 // eager attention under a `finfo.min` mask does (every score is then finfo.min).
 
-#include <torch/extension.h>
+// ATen and the op registry only: torch/extension.h adds the whole C++ frontend and
+// pybind, three times the compile time of this file.
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <ATen/Parallel.h>
 #include <ATen/OpMathType.h>

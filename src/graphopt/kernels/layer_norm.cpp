@@ -11,7 +11,10 @@
 // precise as torch's own kernel. float32 only: other dtypes run torch's add and
 // LayerNorm (the fusion pass does not make the op for them).
 
-#include <torch/extension.h>
+// ATen and the op registry only: torch/extension.h adds the whole C++ frontend and
+// pybind, three times the compile time of this file.
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
