@@ -13,8 +13,8 @@ from .backend.registry import backends, graphopt_backend
 from .backend.tiers import wait_for_background
 from .config import MODES, GraphOptimizationConfig
 from .passes.base import PassResult
+from .passes.checks import PassVerificationError
 from .passes.fusion.replacement import fwd_only, register_replacement
-from .passes.manager import PassVerificationError
 from .report import FallbackKind, Report
 from .runtime.analysis.safety import CaptureError, CaptureProblem, check
 from .runtime.graphs import device_graph as DeviceGraph

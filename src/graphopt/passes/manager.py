@@ -18,7 +18,6 @@ CSE merge two values, a folded constant turns `x * w` into `x * 1`).
 
 from __future__ import annotations
 
-import copy
 import itertools
 import os
 import time
@@ -30,21 +29,17 @@ import torch
 import torch.fx
 
 from .._compat import fake
-from .._compat.names import tensor_leaves, tree_leaves
-from ..config import GraphOptimizationConfig, tolerance
+from .._compat.names import tree_leaves
+from ..config import GraphOptimizationConfig
 from ..report import FallbackKind, GraphRecord, PassRecord, Report, first_line
 from . import precision
 from .base import PassResult
+from .checks import GraphRun, PassVerificationError, Snapshot, check_same
 from .fusion import fused_op_counts
 from .fusion.replacement import searches_cached_in
 from .memory_plan import memory_record
 
 PassFn = Callable[[torch.fx.GraphModule], PassResult]
-
-
-class PassVerificationError(RuntimeError):
-    """A pass left an invalid graph or changed what the graph computes (raised with
-    `verify=True`)."""
 
 
 def builtin_passes() -> dict[str, PassFn]:
@@ -220,15 +215,16 @@ class _Run:
                  folder: Path | None, verify_inputs: Sequence[Any] | None, config: GraphOptimizationConfig,
                  example_inputs: Sequence[Any] | None):
         self.gm, self.graph_index, self.report, self.folder = gm, graph_index, report, folder
-        self.verify_inputs, self.verify, self.tolerance = verify_inputs, config.verify, config.precision_tolerance
-        self.example_inputs, self.full_precision = example_inputs, None
-        self.expected = _run_graph(gm, verify_inputs) if verify_inputs is not None else None
+        self.verify, self.tolerance, self.full_precision = config.verify, config.precision_tolerance, None
+        self.verify_run = GraphRun(gm, verify_inputs) if verify_inputs is not None else None
+        self.example_run = GraphRun(gm, example_inputs) if example_inputs is not None else None
+        self.expected = self.verify_run() if self.verify_run is not None else None
         self.records: dict[str, PassRecord] = {}
 
     def step(self, step: int, name: str, fn: PassFn, round_: int) -> bool:
         """Run one pass; True when it changed the graph (and was not undone)."""
         start = time.perf_counter()
-        before = _Snapshot(self.gm)
+        before = Snapshot(self.gm)
         result = self._measured(name, fn, before) if name in precision.MEASURED_PASSES else fn(self.gm)
         problem = _invalid(self.gm.graph)
         if problem is not None:
@@ -252,25 +248,24 @@ class _Run:
             suffix = "" if round_ == 1 else f"_round{round_}"
             _dump(self.gm, self.folder / f"{step:02d}_{name}{suffix}")
         if self.expected is not None:
-            actual = _run_graph(self.gm, self.verify_inputs)
+            actual = self.verify_run(name)
             if name not in precision.MEASURED_PASSES:  # held to precision_tolerance instead
                 with fake.outside_fake_mode():
-                    _check_same(name, self.expected, actual)
+                    check_same(name, self.expected, actual)
             self.expected = actual
         return result.changed
 
-    def _measured(self, name: str, fn: PassFn, before: _Snapshot) -> PassResult:
+    def _measured(self, name: str, fn: PassFn, before: Snapshot) -> PassResult:
         """A pass that lowers precision, its error measured on the example inputs against
         the graph before the first such pass (`gm.meta`); undone past precision_tolerance."""
-        inputs = self.example_inputs
-        if self.full_precision is None and inputs is not None:
-            self.full_precision = _run_graph(self.gm, inputs)
+        if self.full_precision is None and self.example_run is not None:
+            self.full_precision = self.example_run(name)
         expected, result = self.full_precision, fn(self.gm)
         if result.changed and expected is None:
             self.report.fallback(FallbackKind.UNCHECKED, precision.NOT_MEASURED)
         elif result.changed:
             self.gm.recompile()
-            actual = _run_graph(self.gm, inputs)
+            actual = self.example_run(name)
             with fake.outside_fake_mode():
                 error = precision.measured_error(self.gm, expected, actual, self.tolerance)
             if error["fell_back"]:
@@ -313,74 +308,6 @@ def _invalid(graph: torch.fx.Graph) -> str | None:
                 return (f"node {node.name!r} takes a tensor of shape {tuple(arg.shape)} as a literal argument "
                         "instead of reading a constant with get_attr")
     return None
-
-
-class _Snapshot:
-    """A graph module as it was before a pass: a copy of its nodes (their names and
-    meta), the names of its tensors and submodules, and its meta, so that a pass
-    that broke the graph can be undone."""
-
-    def __init__(self, gm: torch.fx.GraphModule):
-        self.graph = copy.deepcopy(gm.graph)
-        self.attributes = _attributes(gm)
-        # A pass may add to a dict of gm.meta in place (fold_constants' refresh recipes).
-        self.meta = {key: dict(value) if isinstance(value, dict) else value for key, value in gm.meta.items()}
-
-    def restore(self, gm: torch.fx.GraphModule) -> None:
-        """Put the saved nodes back into gm's own Graph object (Inductor holds on to it
-        at level 2), and remove the attributes the pass added."""
-        graph = gm.graph
-        nodes = list(graph.nodes)
-        for node in nodes:  # unlinked first: a broken graph may read a node before it is defined
-            node.args, node.kwargs = (), {}
-        for node in reversed(nodes):
-            graph.erase_node(node)
-        copies: dict[torch.fx.Node, torch.fx.Node] = {}
-        for node in self.graph.nodes:
-            copies[node] = graph.node_copy(node, copies.__getitem__)
-            # The graph never frees a name, so the copy was given a new one; frozen
-            # parameters are found by their placeholder's name.
-            copies[node].name = node.name
-        for name in _attributes(gm) - self.attributes:
-            delattr(gm, name)
-        gm.meta.clear()
-        gm.meta.update(self.meta)
-
-
-def _attributes(gm: torch.fx.GraphModule) -> set[str]:
-    """What a get_attr node can read: gm's own tensors and submodules."""
-    return {*dict(gm.named_parameters(recurse=False)), *dict(gm.named_buffers(recurse=False)),
-            *dict(gm.named_children()), *(k for k, v in vars(gm).items() if isinstance(v, torch.Tensor))}
-
-
-def _run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> list[torch.Tensor]:
-    """Outputs and final input states (a pass must keep mutations too), on clones
-    of the inputs so the caller's buffers are untouched; random ops reseeded."""
-    with fake.outside_fake_mode(), torch.random.fork_rng(devices=[]), torch.no_grad():
-        args = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
-        torch.manual_seed(0)
-        out = gm(*args)
-    return tensor_leaves(out) + \
-           [a for a in args if isinstance(a, torch.Tensor)]
-
-
-def _check_same(name: str, expected: list[torch.Tensor], actual: list[torch.Tensor]) -> None:
-    if len(expected) != len(actual):
-        raise PassVerificationError(
-            f"pass {name!r} changed the number of graph outputs ({len(expected)} -> {len(actual)}); "
-            f"disable it with disabled_passes=[{name!r}]")
-    for i, (e, a) in enumerate(zip(expected, actual)):
-        atol, rtol = tolerance(e.dtype)
-        if e.shape != a.shape or e.dtype != a.dtype:
-            problem = f"{tuple(e.shape)}/{e.dtype} became {tuple(a.shape)}/{a.dtype}"
-        elif torch.allclose(e, a, atol=atol, rtol=rtol, equal_nan=True):
-            continue
-        else:
-            diff = (e.double() - a.double()).abs().nan_to_num(float("inf")).max().item()
-            problem = f"max abs difference {diff:.3g} (atol={atol}, rtol={rtol})"
-        raise PassVerificationError(
-            f"pass {name!r} changed the graph's results: value {i} differs, {problem}. "
-            f"Disable it with disabled_passes=[{name!r}] and report the graph (debug_dump_dir).")
 
 
 def _dump(gm: torch.fx.GraphModule, stem: Path) -> None:

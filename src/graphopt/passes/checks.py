@@ -1,0 +1,114 @@
+"""What a pass is held to: the graph run on real inputs before and after it
+(`GraphRun`: its outputs and the final state of each input it writes), compared at
+each dtype's tolerance (`check_same`); and the copy of a graph that undoes a pass
+(`Snapshot`)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+
+from .._compat import fake
+from .._compat.names import tensor_leaves
+from ..config import tolerance
+from .base import written_roots
+
+
+class PassVerificationError(RuntimeError):
+    """A pass left an invalid graph or changed what the graph computes (raised with
+    `verify=True`)."""
+
+
+def written_inputs(gm: torch.fx.GraphModule) -> list[int]:
+    """The positions of the placeholders some node of `gm` writes (a KV cache's copy_)."""
+    roots = written_roots(gm.graph)
+    return [i for i, node in enumerate(gm.graph.find_nodes(op="placeholder")) if node in roots]
+
+
+class GraphRun:
+    """Runs of one graph, as passes rewrite it, on `inputs`. Only the inputs the graph
+    writes are copied per run (so the caller's buffers are untouched) and compared:
+    the others are read in place. With frozen weights among the inputs, a copy per run
+    was a copy of every weight, and the error of lower precision was measured on each."""
+
+    def __init__(self, gm: torch.fx.GraphModule, inputs: Sequence[Any]):
+        self.gm, self.inputs, self.written = gm, inputs, written_inputs(gm)
+
+    def __call__(self, name: str | None = None) -> list[torch.Tensor]:
+        """The outputs, then the final state of each input the graph wrote before the
+        first pass; random ops reseeded. A pass (`name`) that makes the graph write an
+        input it did not write before is an error: that would write a weight."""
+        now = written_inputs(self.gm)
+        added = sorted(set(now) - set(self.written))
+        if added:
+            names = [self.gm.graph.find_nodes(op="placeholder")[i].name for i in added]
+            raise PassVerificationError(
+                f"pass {name!r} made the graph write its inputs {names}, which it did not write before; "
+                f"disable it with disabled_passes=[{name!r}] and report the graph (debug_dump_dir)")
+        with fake.outside_fake_mode(), torch.random.fork_rng(devices=[]), torch.no_grad():
+            args = [x.clone() if i in self.written and isinstance(x, torch.Tensor) else x
+                    for i, x in enumerate(self.inputs)]
+            torch.manual_seed(0)
+            out = self.gm(*args)
+        return tensor_leaves(out) + [args[i] for i in self.written if isinstance(args[i], torch.Tensor)]
+
+
+def check_same(name: str, expected: list[torch.Tensor], actual: list[torch.Tensor]) -> None:
+    """Raise PassVerificationError unless pass `name` left every result as it was."""
+    if len(expected) != len(actual):
+        raise PassVerificationError(
+            f"pass {name!r} changed the number of graph outputs ({len(expected)} -> {len(actual)}); "
+            f"disable it with disabled_passes=[{name!r}]")
+    for i, (e, a) in enumerate(zip(expected, actual)):
+        atol, rtol = tolerance(e.dtype)
+        if e.shape != a.shape or e.dtype != a.dtype:
+            problem = f"{tuple(e.shape)}/{e.dtype} became {tuple(a.shape)}/{a.dtype}"
+        elif torch.allclose(e, a, atol=atol, rtol=rtol, equal_nan=True):
+            continue
+        else:
+            diff = (e.double() - a.double()).abs().nan_to_num(float("inf")).max().item()
+            problem = f"max abs difference {diff:.3g} (atol={atol}, rtol={rtol})"
+        raise PassVerificationError(
+            f"pass {name!r} changed the graph's results: value {i} differs, {problem}. "
+            f"Disable it with disabled_passes=[{name!r}] and report the graph (debug_dump_dir).")
+
+
+class Snapshot:
+    """A graph module as it was before a pass: a copy of its nodes (their names and
+    meta), the names of its tensors and submodules, and its meta, so that a pass
+    that broke the graph can be undone."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        self.graph = copy.deepcopy(gm.graph)
+        self.attributes = _attributes(gm)
+        # A pass may add to a dict of gm.meta in place (fold_constants' refresh recipes).
+        self.meta = {key: dict(value) if isinstance(value, dict) else value for key, value in gm.meta.items()}
+
+    def restore(self, gm: torch.fx.GraphModule) -> None:
+        """Put the saved nodes back into gm's own Graph object (Inductor holds on to it
+        at level 2), and remove the attributes the pass added."""
+        graph = gm.graph
+        nodes = list(graph.nodes)
+        for node in nodes:  # unlinked first: a broken graph may read a node before it is defined
+            node.args, node.kwargs = (), {}
+        for node in reversed(nodes):
+            graph.erase_node(node)
+        copies: dict[torch.fx.Node, torch.fx.Node] = {}
+        for node in self.graph.nodes:
+            copies[node] = graph.node_copy(node, copies.__getitem__)
+            # The graph never frees a name, so the copy was given a new one; frozen
+            # parameters are found by their placeholder's name.
+            copies[node].name = node.name
+        for name in _attributes(gm) - self.attributes:
+            delattr(gm, name)
+        gm.meta.clear()
+        gm.meta.update(self.meta)
+
+
+def _attributes(gm: torch.fx.GraphModule) -> set[str]:
+    """What a get_attr node can read: gm's own tensors and submodules."""
+    return {*dict(gm.named_parameters(recurse=False)), *dict(gm.named_buffers(recurse=False)),
+            *dict(gm.named_children()), *(k for k, v in vars(gm).items() if isinstance(v, torch.Tensor))}
