@@ -207,14 +207,16 @@ def _from_frozen(reads: frozenset, recipes: dict) -> bool:
 
 
 def _evaluate(gm: torch.fx.GraphModule, folds: list[torch.fx.Node], frozen: dict) -> dict:
-    """Real values of `folds` and of the constants they are computed from. A node
-    whose op fails on real tensors is left out, and so is everything computed from it."""
+    """Real values of `folds`. A node whose op fails on real tensors is left out, and so
+    is everything computed from it. Each other value is dropped once its last reader has
+    run: quantizing a weight computes four float32 copies of it on the way."""
     needed = _ancestors(folds)
+    order = [n for n in gm.graph.nodes if n in needed]
+    last_reader = {i: node for node in order for i in node.all_input_nodes}
+    keep = set(folds)
     env: dict[torch.fx.Node, object] = {}
     with fake.outside_fake_mode(), torch.inference_mode(False), torch.no_grad():
-        for node in gm.graph.nodes:
-            if node not in needed:
-                continue
+        for node in order:
             if node.op == "placeholder":
                 env[node] = frozen[node.name]
             elif node.op == "get_attr":
@@ -224,8 +226,12 @@ def _evaluate(gm: torch.fx.GraphModule, folds: list[torch.fx.Node], frozen: dict
                 try:
                     env[node] = node.target(*args, **kwargs)
                 except Exception:  # noqa: BLE001 - such an op simply stays in the graph
-                    continue
-    return env
+                    pass
+                del args, kwargs
+            for i in node.all_input_nodes:
+                if last_reader[i] is node and i not in keep:
+                    env.pop(i, None)
+    return {node: env[node] for node in folds if node in env}
 
 
 def _recipe(gm: torch.fx.GraphModule, node: torch.fx.Node, recipes: dict) -> torch.fx.GraphModule:
