@@ -5,7 +5,7 @@ import torch
 import torch.fx
 
 from graphopt import PassVerificationError
-from graphopt.passes.checks import GraphRun, check_same
+from graphopt.passes.checks import GraphRun, Snapshot, check_same
 
 aten = torch.ops.aten
 
@@ -47,3 +47,16 @@ def test_a_pass_that_makes_the_graph_write_a_weight_is_an_error():
 def test_check_same_names_the_value_that_differs():
     with pytest.raises(PassVerificationError, match=r"pass 'p' changed the graph's results: value 1 differs"):
         check_same("p", [torch.ones(2), torch.ones(2)], [torch.ones(2), torch.zeros(2)])
+
+
+def test_an_undone_pass_puts_back_the_value_it_replaced_under_the_same_name():
+    gm = torch.fx.symbolic_trace(step)
+    gm.register_buffer("_folded_0", torch.ones(3), persistent=False)
+    before = Snapshot(gm)
+    kept = gm._folded_0
+    del gm._folded_0
+    gm.register_buffer("_folded_0", torch.zeros(3, dtype=torch.int8), persistent=False)
+    gm.register_buffer("_folded_1", torch.zeros(3), persistent=False)
+    before.restore(gm)
+    assert gm._folded_0 is kept and not hasattr(gm, "_folded_1")
+    assert "_folded_0" not in gm.state_dict()

@@ -279,6 +279,20 @@ def test_a_tight_tolerance_undoes_the_quantization():
     assert unexpected_fallbacks(opt.report()) == {FallbackKind.PRECISION: 1}
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_tight_tolerance_undoes_the_quantization_of_a_fused_qkv_weight(decoder, level):
+    """The quantization frees the float32 QKV concatenation and may store its int8 weight
+    under the freed name: undone, the graph reads the float32 value again."""
+    with torch.inference_mode():
+        expected = decoder(*decode_inputs(3))
+        opt = quantized(decoder, graph_opt_level=level, precision_tolerance=1e-9)
+        out = opt(*decode_inputs(3))
+    atol, rtol = tolerance(torch.float32)
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+    assert {p.name: p.counts for p in opt.report().passes}["fuse_horizontal_linear"]
+    assert unexpected_fallbacks(opt.report()) == {FallbackKind.PRECISION: 1}
+
+
 def test_decoder_step_with_int8_weights(decoder):
     opt = quantized(decoder)
     with torch.inference_mode():

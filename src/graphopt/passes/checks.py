@@ -78,8 +78,10 @@ def check_same(name: str, expected: list[torch.Tensor], actual: list[torch.Tenso
 
 class Snapshot:
     """A graph module as it was before a pass: a copy of its nodes (their names and
-    meta), the names of its tensors and submodules, and its meta, so that a pass
-    that broke the graph can be undone."""
+    meta), its tensors and submodules (the objects, not copies), and its meta, so that
+    a pass that broke the graph can be undone. The objects are kept because a pass may
+    free a folded value and store another under its name (quantizing a concatenated
+    weight): undone, the graph must read the value it read before."""
 
     def __init__(self, gm: torch.fx.GraphModule):
         self.graph = copy.deepcopy(gm.graph)
@@ -102,13 +104,29 @@ class Snapshot:
             # The graph never frees a name, so the copy was given a new one; frozen
             # parameters are found by their placeholder's name.
             copies[node].name = node.name
-        for name in _attributes(gm) - self.attributes:
+        for name in set(_attributes(gm)) - set(self.attributes):
             delattr(gm, name)
+        for name, (kind, value) in self.attributes.items():
+            if _attributes(gm).get(name, (None, None))[1] is value:
+                continue
+            if hasattr(gm, name):
+                delattr(gm, name)
+            if kind in ("buffer", "non-persistent buffer"):
+                gm.register_buffer(name, value, persistent=kind == "buffer")
+            elif kind == "parameter":
+                gm.register_parameter(name, value)
+            else:
+                setattr(gm, name, value)
         gm.meta.clear()
         gm.meta.update(self.meta)
 
 
-def _attributes(gm: torch.fx.GraphModule) -> set[str]:
-    """What a get_attr node can read: gm's own tensors and submodules."""
-    return {*dict(gm.named_parameters(recurse=False)), *dict(gm.named_buffers(recurse=False)),
-            *dict(gm.named_children()), *(k for k, v in vars(gm).items() if isinstance(v, torch.Tensor))}
+def _attributes(gm: torch.fx.GraphModule) -> dict[str, tuple[str, Any]]:
+    """What a get_attr node can read, by name: gm's own tensors and submodules, each as
+    (how it is registered, the object)."""
+    persistent = gm.state_dict(keep_vars=True)
+    return {**{k: ("attribute", v) for k, v in vars(gm).items() if isinstance(v, torch.Tensor)},
+            **{k: ("module", v) for k, v in gm.named_children()},
+            **{k: ("buffer" if k in persistent else "non-persistent buffer", v)
+               for k, v in gm.named_buffers(recurse=False)},
+            **{k: ("parameter", v) for k, v in gm.named_parameters(recurse=False)}}
