@@ -44,7 +44,17 @@ PassFn = Callable[[torch.fx.GraphModule], PassResult]
 
 def builtin_passes() -> dict[str, PassFn]:
     """Every pass graphopt ships, by name (the names `disabled_passes` takes)."""
-    from . import algebraic, cleanup, constant_fold, layout, memory_plan, quantize, redundant, reinplace
+    from . import (
+        algebraic,
+        cleanup,
+        constant_fold,
+        layout,
+        memory_plan,
+        quantize,
+        redundant,
+        reinplace,
+        transposed_weights,
+    )
     from .canonical import canonical_passes
     from .fusion import fusion_passes, linear, packed_linear
 
@@ -63,6 +73,7 @@ def builtin_passes() -> dict[str, PassFn]:
         "quantize_weights": quantize.quantize_weights,
         "lower_precision": precision.lower_precision,
         "convert_layout": layout.convert_layout,
+        "store_transposed_weights": transposed_weights.store_transposed_weights,
         "reinplace_input_mutations": reinplace.reinplace_input_mutations,
         "reinplace_intermediates": reinplace.reinplace_intermediates,
         "plan_memory": memory_plan.plan_memory,
@@ -89,6 +100,8 @@ def _canonical_and_fusions() -> list[str]:
 # and it lowers a decomposed linear better than an `aten.linear` call.
 # fuse_packed_linear is level 1 only: it reads the `linear` that recompose_linear makes, and
 # at level 2 with frozen weights Inductor times each GEMM's C++ template against ATen's.
+# store_transposed_weights is level 2 only, after the quantization: it takes the transpose
+# out of a folded linear weight, which level 1's recompose_linear and the quantization read.
 # convert_layout is level 1 only: Inductor chooses channels-last for convolution graphs
 # itself (GraphLowering.decide_layout_opt, always on CPU with oneDNN), and would have to
 # honour graphopt's explicit clones as copies.
@@ -96,13 +109,13 @@ PIPELINES: dict[int, list[str]] = {
     0: [],
     1: [*CLEANUP, *_canonical_and_fusions(), "recompose_linear", "recompose_matmul", "fuse_packed_linear",
         "convert_layout", "reinplace_input_mutations", "reinplace_intermediates", "plan_memory"],
-    2: [*CLEANUP, *_canonical_and_fusions()],
+    2: [*CLEANUP, *_canonical_and_fusions(), "store_transposed_weights"],
 }
 
 # Opt-in, after this pass: after the fusions, which match float32 spellings, and
 # recompose_* (whole linears); before fuse_packed_linear (float32 only), layout and the
 # mutation passes. Weights are quantized first, lower_precision lowers what is left.
-PRECISION_AFTER: dict[int, str] = {1: "recompose_matmul", 2: PIPELINES[2][-1]}
+PRECISION_AFTER: dict[int, str] = {1: "recompose_matmul", 2: _canonical_and_fusions()[-1]}
 
 
 def check_pass_names(names: Sequence[str]) -> None:

@@ -293,3 +293,34 @@ def test_level_2_fuses_both_linear_fusions():
         assert_same([opt(x)], [model(x)])
     assert pass_counts(opt, "fuse_horizontal_linear") == {"groups": 2, "linears": 5}
     assert pass_counts(opt, "fuse_matmul_transpose") == {"copies_removed": 1}
+
+
+class GatedMLP(torch.nn.Module):
+    """gate and up large enough (64 x 128 each) that their concatenation is not kept
+    for a pass to read (constant_fold.may_be_read)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj = (torch.nn.Linear(128, 64, bias=False) for _ in range(2))
+        self.down_proj = torch.nn.Linear(64, 128, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_level_2_stores_the_fused_weight_as_its_gemm_reads_it_and_refreshes():
+    if not inductor.inductor_available():
+        pytest.skip("level 2 needs a C++ compiler")
+    torch.manual_seed(0)
+    model = GatedMLP().eval()
+    opt = optimize(model, level=2)
+    x = torch.randn(2, 5, 128)
+    with torch.no_grad():
+        assert_same([opt(x)], [model(x)])
+        assert pass_counts(opt, "store_transposed_weights") == {"stored": 1}
+        (gm,) = opt.graphs()
+        # The GEMM reads the folded [in, out] constant itself: what Inductor's template packs and frees.
+        assert not [n for n in gm.graph.nodes if n.target is aten.permute.default and n.args[0].op == "get_attr"]
+        model.up_proj.weight.mul_(-2)
+        opt.refresh()
+        assert_same([opt(x)], [model(x)])
