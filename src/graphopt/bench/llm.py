@@ -75,7 +75,10 @@ def decode(model: Decoder, inputs: tuple[torch.Tensor, int]) -> tuple[torch.Tens
     batch = prompt.shape[0]
     slots = torch.arange(batch, device=prompt.device)
     model.reset_cache(slots)
-    token, tokens, first = prompt, [], None
+    # A copy made here, as every later token is: the prompt was made outside inference mode,
+    # and a tensor made outside it is another input to Dynamo (a second graph per batch,
+    # each with its own copy of the folded and packed weights).
+    token, tokens, first = prompt.clone(), [], None
     for position in range(new_tokens):
         logits = model(token, torch.full((batch,), position, device=prompt.device), slots)
         # Cloned: a device graph's next replay overwrites its outputs.
