@@ -1,7 +1,10 @@
 """Run a function on 2 CPU ranks (gloo), each its own process, with a deadline.
 
-`run_ranks(worker, *args)` spawns the ranks with torch.multiprocessing, waits for
-them until a deadline, and returns each rank's result. A rank that raises, dies or
+`run_ranks(worker, *args)` starts the ranks with torch.multiprocessing, waits for
+them until a deadline, and returns each rank's result. gloo ranks are forked from a
+fork server that has imported torch, graphopt and Inductor once per test process
+(spawned, each rank spent most of its CPU importing them again); nccl ranks are
+spawned, as CUDA wants. A rank that raises, dies or
 is still running at the deadline (then killed) makes it raise `RanksFailed`, naming
 every rank's outcome: a test never hangs, whatever a rank does. When one rank
 fails, the others fail too at their next collective, within `collective_timeout`. `worker(rank, world, *args)`
@@ -11,6 +14,7 @@ must be a module-level function (the spawned processes import it by name).
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -32,9 +36,16 @@ def run_ranks(worker: Callable, *args: Any, world: int = 2, timeout: float = 100
               collective_timeout: float = 60.0, backend: str = "gloo") -> list[Any]:
     """`worker(rank, world, *args)` on `world` ranks of a `backend` process group
     (with "nccl", rank i uses cuda:i); their results, by rank."""
+    method = "forkserver" if backend == "gloo" else "spawn"
+    if method == "forkserver":
+        # Read when the fork server starts (the first gloo test of this process); a rank
+        # imports whatever else its worker needs after the fork.
+        multiprocessing.set_forkserver_preload(["torch", "torch._inductor.compile_fx", "graphopt", worker.__module__])
     with tempfile.TemporaryDirectory() as out:
-        context = mp.start_processes(_entry, args=(worker, world, _free_port(), out, collective_timeout, backend, args),
-                                     nprocs=world, join=False, start_method="spawn")
+        # The environment as it is now, not as it was when the fork server started.
+        context = mp.start_processes(_entry, args=(worker, world, _free_port(), out, collective_timeout, backend, args,
+                                                   dict(os.environ)),
+                                     nprocs=world, join=False, start_method=method)
         # Not context.join(): it stops every rank as soon as one fails, and the
         # test wants to see what the others do then (raise, or wait forever).
         deadline = time.monotonic() + timeout
@@ -53,8 +64,9 @@ def run_ranks(worker: Callable, *args: Any, world: int = 2, timeout: float = 100
 
 
 def _entry(rank: int, worker: Callable, world: int, port: int, out: str, collective_timeout: float,
-           backend: str, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+           backend: str, args: tuple, environ: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # 2 ranks on a 2-core machine
     # Each test compiles afresh (test_compile_cache.py turns the compile cache on for itself).
     os.environ["GRAPHOPT_CACHE_DIR"] = ""
