@@ -180,3 +180,60 @@ def test_with_verify_an_invalid_graph_is_an_error(decoder, monkeypatch):
                                         r"graph: .*used before it has been defined.*"
                                         r"disabled_passes=\['read_before_defined'\]"):
         run_decode(decoder, config(verify=True))
+
+
+def relu_step(x):
+    return torch.relu(x) + 1
+
+
+def run_pipeline(monkeypatch, *passes):
+    """`passes` as the level-1 pipeline, run by a PassManager on relu_step's graph."""
+    monkeypatch.setattr(manager, "builtin_passes", lambda: {fn.__name__: fn for fn in passes})
+    monkeypatch.setitem(manager.PIPELINES, 1, [fn.__name__ for fn in passes])
+    gm = torch.fx.symbolic_trace(relu_step)
+    recompiles = []
+    recompile = type(gm).recompile
+    monkeypatch.setattr(type(gm), "recompile", lambda self: recompiles.append(1) or recompile(self))
+    manager.PassManager(config(), graphopt.Report(level=1)).run(gm, 0)
+    return gm, len(recompiles)
+
+
+def unchanged(name):
+    """A pass called `name` that leaves the graph as it is."""
+    def run(gm):
+        return PassResult(changed=False)
+    run.__name__ = name
+    return run
+
+
+def test_passes_that_change_nothing_share_one_copy_of_the_graph_and_one_compile(monkeypatch):
+    import copy
+
+    copies = []
+    deepcopy = copy.deepcopy
+    monkeypatch.setattr(copy, "deepcopy", lambda x, *a: (copies.append(x) if isinstance(x, torch.fx.Graph) else None)
+                        or deepcopy(x, *a))
+
+    def relu_to_sigmoid(gm):
+        next(n for n in gm.graph.nodes if n.target is torch.relu).target = torch.sigmoid
+        return PassResult(changed=True)
+
+    gm, recompiles = run_pipeline(monkeypatch, unchanged("first"), unchanged("second"), relu_to_sigmoid,
+                                  unchanged("after"))
+    assert len(copies) == 2, "one copy before the change, one after it"
+    assert recompiles == 2, "compiled at the first pass and after the change"
+    x = torch.randn(4)
+    torch.testing.assert_close(gm(x), torch.sigmoid(x) + 1)
+
+
+def test_a_pass_that_recompiled_then_put_the_graph_back_is_compiled_again(monkeypatch):
+    def sneaky(gm):
+        node = next(n for n in gm.graph.nodes if n.target is torch.relu)
+        node.target = torch.sigmoid
+        gm.recompile()
+        node.target = torch.relu  # back as it was, but the code is sigmoid's
+        return PassResult(changed=False)
+
+    gm, _ = run_pipeline(monkeypatch, unchanged("first"), sneaky)
+    x = torch.randn(4)
+    torch.testing.assert_close(gm(x), torch.relu(x) + 1)

@@ -76,15 +76,36 @@ def check_same(name: str, expected: list[torch.Tensor], actual: list[torch.Tenso
             f"Disable it with disabled_passes=[{name!r}] and report the graph (debug_dump_dir).")
 
 
+def graph_state(gm: torch.fx.GraphModule) -> tuple:
+    """What a graph module's code and a Snapshot's copy are made of: its Graph, and each
+    node with its name, op, target, arguments and meta entries (the values by identity).
+    A pass that leaves the state as it was (most steps of a pipeline) needs no copy,
+    lint or recompile after it."""
+    return gm.graph, tuple((n, n.name, n.op, n.target, n.args, n.kwargs, tuple((k, id(v)) for k, v in n.meta.items()))
+                           for n in gm.graph.nodes)
+
+
+def same_state(a: tuple | None, b: tuple) -> bool:
+    """Whether two graph_state()s are equal; unsure (a tensor argument compared by value) is no."""
+    try:
+        return a == b
+    except (RuntimeError, TypeError, ValueError):
+        return False
+
+
 class Snapshot:
     """A graph module as it was before a pass: a copy of its nodes (their names and
     meta), its tensors and submodules (the objects, not copies), and its meta, so that
     a pass that broke the graph can be undone. The objects are kept because a pass may
     free a folded value and store another under its name (quantizing a concatenated
-    weight): undone, the graph must read the value it read before."""
+    weight): undone, the graph must read the value it read before. The copy of the
+    nodes is `earlier`'s where the graph has not changed since it was taken (the copy
+    is only read, and holds the meta values the state names)."""
 
-    def __init__(self, gm: torch.fx.GraphModule):
-        self.graph = copy.deepcopy(gm.graph)
+    def __init__(self, gm: torch.fx.GraphModule, earlier: Snapshot | None = None):
+        self.state = graph_state(gm)
+        unchanged = earlier is not None and same_state(earlier.state, self.state)
+        self.graph = earlier.graph if unchanged else copy.deepcopy(gm.graph)
         self.attributes = _attributes(gm)
         # A pass may add to a dict of gm.meta in place (fold_constants' refresh recipes).
         self.meta = {key: dict(value) if isinstance(value, dict) else value for key, value in gm.meta.items()}

@@ -34,7 +34,7 @@ from ..config import GraphOptimizationConfig
 from ..report import FallbackKind, GraphRecord, PassRecord, Report, first_line
 from . import precision
 from .base import PassResult
-from .checks import GraphRun, PassVerificationError, Snapshot, check_same
+from .checks import GraphRun, PassVerificationError, Snapshot, check_same, graph_state, same_state
 from .fusion import fused_op_counts
 from .fusion.replacement import searches_cached_in
 from .memory_plan import memory_record
@@ -233,13 +233,16 @@ class _Run:
         self.example_run = GraphRun(gm, example_inputs) if example_inputs is not None else None
         self.expected = self.verify_run() if self.verify_run is not None else None
         self.records: dict[str, PassRecord] = {}
+        self.snapshot: Snapshot | None = None
+        # (graph_state, forward) when gm was last recompiled here: its code is current while both hold.
+        self.compiled: tuple[tuple, Any] | None = None
 
     def step(self, step: int, name: str, fn: PassFn, round_: int) -> bool:
         """Run one pass; True when it changed the graph (and was not undone)."""
         start = time.perf_counter()
-        before = Snapshot(self.gm)
+        before = self.snapshot = Snapshot(self.gm, self.snapshot)
         result = self._measured(name, fn, before) if name in precision.MEASURED_PASSES else fn(self.gm)
-        problem = _invalid(self.gm.graph)
+        problem = None if same_state(before.state, graph_state(self.gm)) else _invalid(self.gm.graph)
         if problem is not None:
             advice = f"Disable it with disabled_passes=[{name!r}] and report the graph (debug_dump_dir)."
             if self.verify:
@@ -248,7 +251,7 @@ class _Run:
             self.report.fallback(FallbackKind.PASS_UNDONE, f"pass {name!r} left an invalid graph ({problem}); "
                                  f"it was undone for this graph. {advice}")
             result = PassResult(changed=False)
-        self.gm.recompile()
+        self._recompile()
         record = self.records.get(name)
         if record is None:
             record = self.records[name] = PassRecord(self.graph_index, name, False, {}, 0.0)
@@ -267,6 +270,16 @@ class _Run:
                     check_same(name, self.expected, actual)
             self.expected = actual
         return result.changed
+
+    def _recompile(self) -> None:
+        """Recompile gm unless its graph and code are as this run last compiled them (a
+        pass that changed nothing). Every recompile gives the module a new forward, so a
+        pass that recompiled on its own, or a graph put back after one, is compiled again."""
+        state, forward = graph_state(self.gm), type(self.gm).forward
+        if self.compiled is not None and self.compiled[1] is forward and same_state(self.compiled[0], state):
+            return
+        self.gm.recompile()
+        self.compiled = state, type(self.gm).forward
 
     def _measured(self, name: str, fn: PassFn, before: Snapshot) -> PassResult:
         """A pass that lowers precision, its error measured on the example inputs against
