@@ -19,6 +19,7 @@ from graphopt.passes.fusion.linear import recompose_linear
 
 aten = torch.ops.aten
 SPLIT = aten.split_with_sizes.default
+LEVEL_2 = pytest.mark.skipif(not inductor.inductor_available(), reason="level 2 needs a C++ compiler")
 
 
 def frozen_graph(fn, args, frozen):
@@ -282,9 +283,8 @@ def test_transformers_llama():
     assert pass_counts(opt, "fuse_horizontal_linear") == {"groups": 4, "linears": 10}
 
 
+@LEVEL_2
 def test_level_2_fuses_both_linear_fusions():
-    if not inductor.inductor_available():
-        pytest.skip("level 2 needs a C++ compiler")
     torch.manual_seed(0)
     model = Block().eval()
     opt = optimize(model, level=2)
@@ -308,9 +308,8 @@ class GatedMLP(torch.nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+@LEVEL_2
 def test_level_2_stores_the_fused_weight_as_its_gemm_reads_it_and_refreshes():
-    if not inductor.inductor_available():
-        pytest.skip("level 2 needs a C++ compiler")
     torch.manual_seed(0)
     model = GatedMLP().eval()
     opt = optimize(model, level=2)
