@@ -1,3 +1,4 @@
+import copy
 import re
 
 import pytest
@@ -207,8 +208,6 @@ def unchanged(name):
 
 
 def test_passes_that_change_nothing_share_one_copy_of_the_graph_and_one_compile(monkeypatch):
-    import copy
-
     copies = []
     deepcopy = copy.deepcopy
     monkeypatch.setattr(copy, "deepcopy", lambda x, *a: (copies.append(x) if isinstance(x, torch.fx.Graph) else None)

@@ -242,7 +242,8 @@ class _Run:
         start = time.perf_counter()
         before = self.snapshot = Snapshot(self.gm, self.snapshot)
         result = self._measured(name, fn, before) if name in precision.MEASURED_PASSES else fn(self.gm)
-        problem = None if same_state(before.state, graph_state(self.gm)) else _invalid(self.gm.graph)
+        after = graph_state(self.gm)
+        problem = None if same_state(before.state, after) else _invalid(self.gm.graph)
         if problem is not None:
             advice = f"Disable it with disabled_passes=[{name!r}] and report the graph (debug_dump_dir)."
             if self.verify:
@@ -251,7 +252,8 @@ class _Run:
             self.report.fallback(FallbackKind.PASS_UNDONE, f"pass {name!r} left an invalid graph ({problem}); "
                                  f"it was undone for this graph. {advice}")
             result = PassResult(changed=False)
-        self._recompile()
+            after = graph_state(self.gm)  # the restored nodes are new ones
+        self._recompile(after)
         record = self.records.get(name)
         if record is None:
             record = self.records[name] = PassRecord(self.graph_index, name, False, {}, 0.0)
@@ -271,11 +273,12 @@ class _Run:
             self.expected = actual
         return result.changed
 
-    def _recompile(self) -> None:
-        """Recompile gm unless its graph and code are as this run last compiled them (a
-        pass that changed nothing). Every recompile gives the module a new forward, so a
-        pass that recompiled on its own, or a graph put back after one, is compiled again."""
-        state, forward = graph_state(self.gm), type(self.gm).forward
+    def _recompile(self, state: tuple) -> None:
+        """Recompile gm, whose graph_state is `state`, unless its graph and code are as this
+        run last compiled them (a pass that changed nothing). Every recompile gives the module
+        a new forward, so a pass that recompiled on its own, or a graph put back after one,
+        is compiled again."""
+        forward = type(self.gm).forward
         if self.compiled is not None and self.compiled[1] is forward and same_state(self.compiled[0], state):
             return
         self.gm.recompile()
