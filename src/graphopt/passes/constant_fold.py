@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+from typing import Any
 
 import torch
 import torch.fx
@@ -259,6 +260,28 @@ def _recipe(gm: torch.fx.GraphModule, node: torch.fx.Node, recipes: dict) -> tor
             if n.op == "get_attr":
                 attrs[n.target] = _attr(gm, n.target)
     graph.output(env[node])
+    return torch.fx.GraphModule(attrs, graph)
+
+
+def recipe_of_call(gm: torch.fx.GraphModule, source: torch.fx.Node, op: Any,
+                   args: tuple) -> torch.fx.GraphModule | None:
+    """The refresh recipe of `op(source, *args)` (a weight's packing, say), `source` a
+    frozen parameter or a folded value with a recipe; None for any other source, which
+    no frozen parameter changes. A folded source's recipe is copied in rather than read
+    by name: the source may be freed once the graph stops reading it, and its name
+    reused by a later fold, which a recipe reading it by name would then read."""
+    recipes = gm.meta.get(FOLDED_RECIPES, {})
+    graph, inputs, attrs = torch.fx.Graph(), {}, {}
+    if source.op == "placeholder":
+        value = graph.placeholder(source.name)
+    elif source.op == "get_attr" and source.target in recipes:
+        inner = recipes[source.target]
+        for p in inner.graph.find_nodes(op="placeholder"):
+            inputs[p.target] = graph.placeholder(p.target)
+        value = _copied(graph, inner, inputs, attrs)
+    else:
+        return None
+    graph.output(graph.call_function(op, (value, *args)))
     return torch.fx.GraphModule(attrs, graph)
 
 

@@ -74,6 +74,32 @@ def test_refresh_recomputes_folded_and_packed_weights(level, inductor):
         assert_close_tree(step(images), fresh, f"level {level} after refresh()")
 
 
+@pytest.mark.parametrize("lowering", [
+    {"weight_quantization": "int8"},
+    pytest.param({"compute_dtype": "bfloat16"}, marks=pytest.mark.skipif(
+        not mkldnn.cpu_has_native_bf16(), reason="compute_dtype is refused without native bfloat16"))],
+    ids=["int8", "bfloat16"])
+def test_a_linear_head_lowered_after_the_convolutions_are_packed(lowering):
+    """The head's weight is folded (quantized, or cast) after the convolutions' weights were
+    packed from their batch-norm-folded values. That fold frees the folded values the graph
+    no longer reads and reuses their names, so a packed weight's recipe must not read its
+    source by name: the stored entry failed to load, and refresh() packed a stale value."""
+    model = resnet()
+    images = torch.randn(2, 3, 32, 32)
+    step = optimized(model, use_cudagraph=False, **lowering)
+    with torch.inference_mode():
+        torch.testing.assert_close(step(images), model(images), atol=0.05, rtol=0.05)
+        assert conv_counts(step)["batch_norm_folded"] == sum(isinstance(m, nn.Conv2d) for m in model.modules())
+        for m in model.modules():
+            if isinstance(m, (nn.Conv2d, nn.BatchNorm2d)):
+                m.weight.data.mul_(1.5)
+        stale = step(images)
+        assert step.refresh() > 0
+        fresh = model(images)
+        assert not torch.allclose(stale, fresh, atol=0.05, rtol=0.05), "the update must change the output"
+        torch.testing.assert_close(step(images), fresh, atol=0.05, rtol=0.05)
+
+
 def test_not_frozen_leaves_convolutions():
     model = resnet()
     step = optimized(model, freeze_parameters=False)

@@ -19,7 +19,7 @@ import torch.fx
 
 from ..._compat import fake, mkldnn, shapes
 from ..base import GraphFacts, PassResult, alias_root, erase_dead, value_of
-from ..constant_fold import FOLDED_RECIPES, FROZEN_INPUTS, fold_node
+from ..constant_fold import FOLDED_RECIPES, FROZEN_INPUTS, fold_node, recipe_of_call
 from ..strides import fake_run, restrided, set_values
 from . import FUSED_TAG
 
@@ -193,20 +193,16 @@ def _packed_weight(gm: torch.fx.GraphModule, conv: torch.fx.Node) -> torch.fx.No
 def packed_weight(gm: torch.fx.GraphModule, w: torch.fx.Node, pack: Any, args: tuple) -> torch.fx.Node:
     """A `_packed_<i>` attribute: `pack(w, *args)`, with a refresh recipe when the
     weight comes from frozen parameters (or from a constant folded from them)."""
-    recipe_graph = torch.fx.Graph()
-    source = recipe_graph.placeholder(w.name) if w.op == "placeholder" else recipe_graph.get_attr(w.target)
-    recipe_graph.output(recipe_graph.call_function(pack, (source, *args)))
-    recipe = torch.fx.GraphModule(gm, recipe_graph)
     dense = gm.meta[FROZEN_INPUTS][w.name] if w.op == "placeholder" else getattr(gm, w.target)
     # Not an inference tensor (a compile inside the caller's inference_mode, as refresh()
     # compiling a level-2 graph again is): refresh() updates it in place outside that mode.
     with fake.outside_fake_mode(), torch.inference_mode(False), torch.no_grad():
-        value = recipe(dense) if w.op == "placeholder" else recipe()
+        value = pack(dense, *args)
     name = next(f"_packed_{i}" for i in itertools.count() if not hasattr(gm, f"_packed_{i}"))
     gm.register_buffer(name, value, persistent=False)
-    recipes = gm.meta.setdefault(FOLDED_RECIPES, {})
-    if w.op == "placeholder" or w.target in recipes:
-        recipes[name] = recipe
+    recipe = recipe_of_call(gm, w, pack, args)
+    if recipe is not None:
+        gm.meta.setdefault(FOLDED_RECIPES, {})[name] = recipe
     node = gm.graph.get_attr(name)
     node.meta["val"] = value_of(w)  # the dense weight's fake value: sizes only, the layout is oneDNN's
     return node
