@@ -26,6 +26,25 @@ def test_lowered_graph_computes_the_same():
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
+def test_a_prim_cast_runs_as_to_copy():
+    """lower_precision's and the quantization's casts are prims, which run eagerly through
+    their Python reference; the executable calls `_to_copy` instead, with the same values."""
+    x = torch.randn(4, 8)
+    graph = aot_graph(lambda x: (x * 2).to(torch.bfloat16).float() + 1, x)
+    for node in graph.gm.graph.nodes:
+        if node.target is aten._to_copy.default:
+            node.target = torch.ops.prims.convert_element_type.default
+            node.args, node.kwargs = (node.args[0], node.kwargs["dtype"]), {}
+    graph.gm.recompile()
+    expected = graph(x)
+    lowered = lower_to_bindings(graph.gm)
+    targets = [n.target for n in lowered.graph.nodes if n.op == "call_function"]
+    assert torch.ops.prims.convert_element_type.default not in targets
+    assert targets.count(aten._to_copy.default) == 2
+    for a, b in zip(lowered(*[(x,)[i] for i in graph.order]), expected):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 def test_original_graph_stays_aten():
     graph = aot_graph(model, *ARGS)
     lower_to_bindings(graph.gm)

@@ -1,5 +1,5 @@
 """fuse_packed_linear: linears on frozen weights packed once for oneDNN, with the GELU
-or ReLU that follows as a post-op (level 1, CPU, float32); small GEMMs gated."""
+or ReLU that follows as a post-op (level 1, CPU, float32 or native bfloat16); small GEMMs gated."""
 
 import copy
 
@@ -106,11 +106,35 @@ def test_an_activation_whose_input_is_read_elsewhere_stays_outside():
     assert result.counts == {"linear": 1} and aten.gelu.default in targets(graph)
 
 
-def test_other_dtypes_are_left_alone():
-    args = (torch.randn(8, 64, 128, dtype=torch.bfloat16), torch.randn(96, 128, dtype=torch.bfloat16),
-            torch.randn(96, dtype=torch.bfloat16))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_other_dtypes_are_left_alone(dtype):
+    """bfloat16 is packed only where the CPU multiplies it natively (the next test)."""
+    if dtype == torch.bfloat16 and mkldnn.cpu_has_native_bf16():
+        pytest.skip("this CPU multiplies bfloat16 natively")
+    args = (torch.randn(8, 64, 128, dtype=dtype), torch.randn(96, 128, dtype=dtype), torch.randn(96, dtype=dtype))
     graph, result = run_pass(linear_relu, args, {1, 2})
     assert not result.changed
+
+
+@pytest.mark.skipif(not mkldnn.cpu_has_native_bf16(), reason="bfloat16 is packed where the CPU multiplies it natively")
+def test_compute_dtype_linears_are_packed_in_bfloat16_and_refreshed():
+    torch.manual_seed(0)
+    model = Mlp().eval()
+    step = graphopt.optimize(model, graphopt.GraphOptimizationConfig(
+        graph_opt_level=1, freeze_parameters=True, use_cudagraph=False, compute_dtype="bfloat16"))
+    x = torch.randn(8, 64, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(step(x), model(x), atol=0.05, rtol=0.05)
+        assert counts(step) == {"linear": 2}  # the GELU reads the linear's cast back to float32
+        (gm,) = step.graphs()
+        packed = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target.startswith("_packed_")]
+        assert {getattr(gm, n.target).dtype for n in packed} == {torch.bfloat16}
+        model.up.weight.data.mul_(1.5)
+        stale = step(x)
+        assert step.refresh() > 0
+        fresh = model(x)
+        assert not torch.allclose(stale, fresh, atol=0.05, rtol=0.05), "the update must change the output"
+        torch.testing.assert_close(step(x), fresh, atol=0.05, rtol=0.05)
 
 
 def test_not_frozen_leaves_linears():

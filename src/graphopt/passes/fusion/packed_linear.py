@@ -1,5 +1,5 @@
 """Linears on weights packed once for oneDNN, with the activation that follows as a
-post-op (frozen weights, CPU, float32, level 1).
+post-op (frozen weights, CPU, float32 or native bfloat16, level 1).
 
 `aten.linear` hands MKL a plain weight at every call; oneDNN's kernel on a weight
 reordered once into its blocked layout, with the GELU or ReLU applied as the result is
@@ -30,9 +30,11 @@ def fuse_packed_linear(gm: torch.fx.GraphModule) -> PassResult:
 
     with `_packed_0` = `w` reordered for oneDNN at optimize time, recomputed by
     `refresh()` (its refresh recipe). Only with freeze_parameters=True, on the CPU, in
-    float32, for a 2-D weight and a bias (or none) that are frozen parameters or
-    constants the graph neither writes nor returns, and where oneDNN is built in; not
-    for small GEMMs, where it loses (`gates.packed_linear_loses`, counted as `gated`).
+    float32, or in bfloat16 where the CPU multiplies it natively (`compute_dtype`'s
+    linears: oneDNN reorders a plain bfloat16 weight at every call), for a 2-D weight
+    and a bias (or none) that are frozen parameters or constants the graph neither
+    writes nor returns, and where oneDNN is built in; not for small GEMMs, where it
+    loses (`gates.packed_linear_loses`, counted as `gated`).
     """
     if not gm.meta.get(FROZEN_INPUTS) or not mkldnn.available():
         return PassResult(changed=False)
@@ -44,6 +46,10 @@ def fuse_packed_linear(gm: torch.fx.GraphModule) -> PassResult:
             if kind:
                 counts[kind] = counts.get(kind, 0) + 1
     return PassResult(changed=bool(counts), counts=counts)
+
+
+def _packs(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and mkldnn.cpu_has_native_bf16())
 
 
 def _activation(node: torch.fx.Node) -> tuple[str, str] | None:
@@ -63,7 +69,7 @@ def _fuse(gm: torch.fx.GraphModule, linear: torch.fx.Node, facts: GraphFacts) ->
     xv, wv, out = value_of(x), value_of(w), value_of(linear)
     if xv is None or wv is None or out is None or linear.kwargs:
         return ""
-    if not (xv.device.type == "cpu" and xv.dtype == wv.dtype == torch.float32 and wv.dim() == 2
+    if not (xv.device.type == "cpu" and xv.dtype == wv.dtype and _packs(xv.dtype) and wv.dim() == 2
             and all(isinstance(s, int) for s in wv.shape) and frozen_constant(gm, w, facts)
             and (b is None or frozen_constant(gm, b, facts))):
         return ""
