@@ -15,6 +15,7 @@ the pass for a graph whose error is over `precision_tolerance`.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Any, Callable, Sequence
 
@@ -25,7 +26,8 @@ from .._compat import fake, mkldnn
 from ..config import GraphOptimizationConfig
 from ..report import FallbackKind
 from .base import PassResult, erase_dead, value_of
-from .constant_fold import constant_nodes, fold_node
+from .constant_fold import FOLDED_RECIPES, FROZEN_INPUTS, constant_nodes, fold_node
+from .fusion.conv import drop_packed
 from .quantize import WEIGHT_QUANTIZATION
 from .strides import fake_run
 
@@ -89,12 +91,72 @@ def lower_precision(gm: torch.fx.GraphModule) -> PassResult:
     constants = constant_nodes(gm)
     casts: dict[torch.fx.Node, torch.fx.Node] = {}
     lowered: dict[str, int] = {}
+    packed_convs = _packed_convs()
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in LOWERED_OPS and _float32_inputs(node):
-            if _lower(gm, node, dtype, casts, constants, fake_mode):
-                name = node.target._opname
-                lowered[name] = lowered.get(name, 0) + 1
+        if node.op != "call_function" or not _float32_inputs(node):
+            continue
+        if node.target in LOWERED_OPS:
+            done, name = _lower(gm, node, dtype, casts, constants, fake_mode), node.target._opname
+        elif node.target in packed_convs:
+            done, name = _lower_packed_conv(gm, node, packed_convs[node.target], dtype, casts, constants,
+                                            fake_mode), "packed_convolution"
+        else:
+            continue
+        if done:
+            lowered[name] = lowered.get(name, 0) + 1
     return PassResult(changed=bool(lowered), counts=lowered)
+
+
+def _packed_convs() -> dict[Any, int]:
+    """fuse_conv's oneDNN convolutions (which run before this pass, on float32 spellings)
+    -> where their packed weight is among the arguments."""
+    return {mkldnn.conv_pointwise(): 1, mkldnn.conv_add(): 2} if mkldnn.available() else {}
+
+
+def _lower_packed_conv(gm: torch.fx.GraphModule, node: torch.fx.Node, at: int, dtype: torch.dtype, casts: dict,
+                       constants: set, fake_mode: Any) -> bool:
+    """A fused convolution in `dtype`: its weight packed again from the weight cast to
+    `dtype` (oneDNN's blocked layout differs by dtype), the rest as `_lower` does. Only
+    a weight whose packing has a refresh recipe (frozen parameters) can be packed again.
+
+        before:  y = mkldnn._convolution_pointwise(x, _packed_0, b, ...)     # float32 weight
+        after:   y = mkldnn._convolution_pointwise(xb, _packed_1, _folded_2, ...);  y32 = convert(y, f32)
+    """
+    packed = node.args[at]
+    recipe = gm.meta.get(FOLDED_RECIPES, {}).get(packed.target) if packed.op == "get_attr" else None
+    if recipe is None:
+        return False
+    lowered_packed = _packed_in(gm, packed, recipe, dtype, fake_mode)
+    node.replace_input_with(packed, lowered_packed)
+    if _lower(gm, node, dtype, casts, constants, fake_mode):
+        if not packed.users:
+            drop_packed(gm, packed)
+        return True
+    node.replace_input_with(lowered_packed, packed)
+    drop_packed(gm, lowered_packed)
+    return False
+
+
+def _packed_in(gm: torch.fx.GraphModule, packed: torch.fx.Node, recipe: torch.fx.GraphModule,
+               dtype: torch.dtype, fake_mode: Any) -> torch.fx.Node:
+    """A new `_packed_<i>`: `packed`'s recipe with its dense weight cast to `dtype` first."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(recipe.graph, {})
+    with graph.inserting_before(out):
+        cast = graph.call_function(_CAST, (out.args[0], dtype))
+    out.args = (cast, *out.args[1:])
+    graph.output(out)
+    lowered = torch.fx.GraphModule(recipe, graph)
+    frozen = gm.meta[FROZEN_INPUTS]
+    with fake.outside_fake_mode(), torch.inference_mode(False), torch.no_grad():
+        value = lowered(*[frozen[p.target] for p in graph.find_nodes(op="placeholder")])
+    name = next(f"_packed_{i}" for i in itertools.count() if not hasattr(gm, f"_packed_{i}"))
+    gm.register_buffer(name, value, persistent=False)
+    gm.meta[FOLDED_RECIPES][name] = lowered
+    with gm.graph.inserting_before(packed), fake_mode:
+        attr = gm.graph.get_attr(name)
+        attr.meta["val"] = torch.empty_like(value_of(packed), dtype=dtype)  # the dense weight's sizes
+    return attr
 
 
 def _float32_inputs(node: torch.fx.Node) -> bool:

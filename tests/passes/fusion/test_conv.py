@@ -89,7 +89,14 @@ def test_a_linear_head_lowered_after_the_convolutions_are_packed(lowering):
     step = optimized(model, use_cudagraph=False, **lowering)
     with torch.inference_mode():
         torch.testing.assert_close(step(images), model(images), atol=0.05, rtol=0.05)
-        assert conv_counts(step)["batch_norm_folded"] == sum(isinstance(m, nn.Conv2d) for m in model.modules())
+        convs = sum(isinstance(m, nn.Conv2d) for m in model.modules())
+        assert conv_counts(step)["batch_norm_folded"] == convs
+        if "compute_dtype" in lowering:  # each packed again from its weight in bfloat16
+            lowered = next(p.counts for p in step.report().passes if p.name == "lower_precision")
+            assert lowered["packed_convolution"] == convs, lowered
+            (gm,) = step.graphs()
+            packed = [n.target for n in gm.graph.nodes if n.op == "get_attr" and n.target.startswith("_packed_")]
+            assert len(packed) == convs and {getattr(gm, t).dtype for t in packed} == {torch.bfloat16}
         for m in model.modules():
             if isinstance(m, (nn.Conv2d, nn.BatchNorm2d)):
                 m.weight.data.mul_(1.5)
