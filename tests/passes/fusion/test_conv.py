@@ -8,6 +8,7 @@ from support import aot_graph, assert_close_tree, targets
 from torch import nn
 
 import graphopt
+from graphopt import FallbackKind
 from graphopt._compat import mkldnn
 from graphopt.models import ResNet, ResNetConfig
 from graphopt.passes.constant_fold import FROZEN_INPUTS
@@ -105,6 +106,19 @@ def test_a_linear_head_lowered_after_the_convolutions_are_packed(lowering):
         fresh = model(images)
         assert not torch.allclose(stale, fresh, atol=0.05, rtol=0.05), "the update must change the output"
         torch.testing.assert_close(step(images), fresh, atol=0.05, rtol=0.05)
+
+
+@pytest.mark.skipif(not mkldnn.cpu_has_native_bf16(), reason="compute_dtype is refused without native bfloat16")
+def test_bfloat16_convolutions_past_the_tolerance_are_put_back_in_float32():
+    model = resnet()
+    images = torch.randn(2, 3, 32, 32)
+    step = optimized(model, use_cudagraph=False, compute_dtype="bfloat16", precision_tolerance=1e-9)
+    with torch.inference_mode():
+        assert_close_tree(step(images), model(images), "undone")
+    assert FallbackKind.PRECISION in step.report().fallback_counts
+    (gm,) = step.graphs()
+    packed = [n.target for n in gm.graph.nodes if n.op == "get_attr" and n.target.startswith("_packed_")]
+    assert packed and {getattr(gm, t).dtype for t in packed} == {torch.float32}
 
 
 def test_not_frozen_leaves_convolutions():
