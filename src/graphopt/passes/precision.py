@@ -15,7 +15,6 @@ the pass for a graph whose error is over `precision_tolerance`.
 
 from __future__ import annotations
 
-import itertools
 import operator
 from typing import Any, Callable, Sequence
 
@@ -27,7 +26,7 @@ from ..config import GraphOptimizationConfig
 from ..report import FallbackKind
 from .base import PassResult, erase_dead, value_of
 from .constant_fold import FOLDED_RECIPES, FROZEN_INPUTS, constant_nodes, fold_node
-from .fusion.conv import drop_packed
+from .fusion.conv import add_packed, drop_packed
 from .quantize import WEIGHT_QUANTIZATION
 from .strides import fake_run
 
@@ -150,13 +149,10 @@ def _packed_in(gm: torch.fx.GraphModule, packed: torch.fx.Node, recipe: torch.fx
     frozen = gm.meta[FROZEN_INPUTS]
     with fake.outside_fake_mode(), torch.inference_mode(False), torch.no_grad():
         value = lowered(*[frozen[p.target] for p in graph.find_nodes(op="placeholder")])
-    name = next(f"_packed_{i}" for i in itertools.count() if not hasattr(gm, f"_packed_{i}"))
-    gm.register_buffer(name, value, persistent=False)
-    gm.meta[FOLDED_RECIPES][name] = lowered
-    with gm.graph.inserting_before(packed), fake_mode:
-        attr = gm.graph.get_attr(name)
-        attr.meta["val"] = torch.empty_like(value_of(packed), dtype=dtype)  # the dense weight's sizes
-    return attr
+    with fake_mode:
+        val = torch.empty_like(value_of(packed), dtype=dtype)  # the dense weight's sizes
+    with gm.graph.inserting_before(packed):
+        return add_packed(gm, value, lowered, val)
 
 
 def _float32_inputs(node: torch.fx.Node) -> bool:

@@ -198,13 +198,20 @@ def packed_weight(gm: torch.fx.GraphModule, w: torch.fx.Node, pack: Any, args: t
     # compiling a level-2 graph again is): refresh() updates it in place outside that mode.
     with fake.outside_fake_mode(), torch.inference_mode(False), torch.no_grad():
         value = pack(dense, *args)
+    # The dense weight's fake value: sizes only, the layout is oneDNN's.
+    return add_packed(gm, value, recipe_of_call(gm, w, pack, args), value_of(w))
+
+
+def add_packed(gm: torch.fx.GraphModule, value: torch.Tensor, recipe: torch.fx.GraphModule | None,
+               val: Any) -> torch.fx.Node:
+    """`value` as a new `_packed_<i>` buffer (with its refresh recipe, if any), read by a
+    get_attr made at the graph's insertion point whose fake value is `val`."""
     name = next(f"_packed_{i}" for i in itertools.count() if not hasattr(gm, f"_packed_{i}"))
     gm.register_buffer(name, value, persistent=False)
-    recipe = recipe_of_call(gm, w, pack, args)
     if recipe is not None:
         gm.meta.setdefault(FOLDED_RECIPES, {})[name] = recipe
     node = gm.graph.get_attr(name)
-    node.meta["val"] = value_of(w)  # the dense weight's fake value: sizes only, the layout is oneDNN's
+    node.meta["val"] = val
     return node
 
 
