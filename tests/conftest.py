@@ -93,7 +93,7 @@ def pytest_collection_modifyitems(config, items):
         matched |= names | exceptions
     unmatched = [name for name in VERSION_SENSITIVE + NOT_VERSION_SENSITIVE if name not in matched]
     if unmatched and "version_sensitive" in config.getoption("markexpr"):
-        raise pytest.UsageError(f"VERSION_SENSITIVE in {__file__} names no test: {unmatched}")
+        raise pytest.UsageError(f"VERSION_SENSITIVE or NOT_VERSION_SENSITIVE in {__file__} names no test: {unmatched}")
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
