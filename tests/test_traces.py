@@ -24,6 +24,7 @@ import graphopt
 from graphopt import FallbackKind
 from graphopt._compat import guard_sources
 from graphopt.api import traces
+from graphopt.api.identity import identity
 from graphopt.backend.backend import Backend
 from graphopt.models import Decoder, DecoderConfig, generate
 from graphopt.models import decoder as decoder_module
@@ -249,6 +250,78 @@ def test_a_decorated_forward_is_stored_and_checks_the_function_it_wraps(tmp_path
     assert any("L['forward']" in r for r in third.report().reasons(FallbackKind.TRACE_NOT_USED))
 
 
+def as_module(func):
+    """As kernels' `use_kernel_forward_from_hub` on a function (transformers 5.25's
+    rotary embedding): the function becomes the one instance of a class made for it,
+    a module global that pickles by its name."""
+    class Func(torch.nn.Module):
+        def forward(self, *args):
+            return func(*args)
+
+        def __reduce__(self):
+            return func.__name__
+
+    Func.__module__ = func.__module__
+    return Func()
+
+
+@as_module
+def gated(x):
+    return x * torch.sigmoid(x)
+
+
+@as_module
+def softened(x):
+    return torch.tanh(x)
+
+
+class UsesFuncs(torch.nn.Module):
+    """Reads its function modules as transformers' attention does: from a plain dict
+    attribute (kernels' `_kernel_funcs`) and as a module global."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.funcs = {"act": gated}
+
+    def forward(self, x):
+        y = self.proj(x)
+        return self.funcs["act"](y) + gated(y)
+
+
+def test_function_modules_of_local_classes_are_stored_and_told_apart(tmp_path, monkeypatch):
+    """Dynamo stores a type by its name, which a class made inside a function lacks:
+    graphopt checks those types itself, by what their methods run. A second start
+    uses the stored trace; one whose dict holds another function module (the same
+    class name, another function) is refused, not run stale."""
+    torch.manual_seed(0)
+    model, x = UsesFuncs().eval(), torch.randn(4, 8)
+    cfg = graphopt.GraphOptimizationConfig(graph_opt_level=1, cache_dir=str(tmp_path), use_cudagraph=False)
+    assert type(gated).__qualname__ == type(softened).__qualname__
+    assert identity(type(gated)) != identity(type(softened))
+    assert identity(gated).startswith(f"global {__name__}.gated ")
+    torch._dynamo.reset()
+    first = graphopt.optimize(model, cfg)
+    with torch.no_grad():
+        torch.testing.assert_close(first(x), model(x))
+    assert first.report().traces_stored == 1, first.report().fallbacks
+
+    torch._dynamo.reset()
+    second = graphopt.optimize(model, cfg)
+    with torch.no_grad(), monkeypatch.context() as patch:
+        no_tracing(patch)
+        torch.testing.assert_close(second(x.clone()), model(x))
+    assert (second.report().traces_used, second.report().fallbacks) == (1, {})
+
+    model.funcs["act"] = softened
+    torch._dynamo.reset()
+    third = graphopt.optimize(model, cfg)
+    with torch.no_grad():
+        torch.testing.assert_close(third(x.clone()), torch.tanh(model.proj(x)) + gated(model.proj(x)))
+    assert third.report().traces_used == 0
+    assert any("funcs" in r for r in third.report().reasons(FallbackKind.TRACE_NOT_USED)), third.report().fallbacks
+
+
 def test_forward_hooks_keep_running(decoder, first_start):
     calls = []
     cache_dir = first_start.restore()
@@ -328,12 +401,12 @@ def test_cache_traces_off_stores_graphs_only(decoder, tmp_path):
 
 
 def test_identity_names_objects_by_what_they_are():
-    assert traces.identity(torch) == "module torch"
-    assert traces.identity(torch.cat) == "builtin torch._VariableFunctionsClass.cat"
-    assert traces.identity(torch.nn.Linear) == "class torch.nn.modules.linear.Linear"
-    assert traces.identity(scaled).startswith(f"function {__name__}.scaled ")
-    assert traces.identity(scaled) != traces.identity(test_identity_names_objects_by_what_they_are)
-    assert traces.identity(torch.zeros(1)) is None
+    assert identity(torch) == "module torch"
+    assert identity(torch.cat) == "builtin torch._VariableFunctionsClass.cat"
+    assert identity(torch.nn.Linear) == "class torch.nn.modules.linear.Linear"
+    assert identity(scaled).startswith(f"function {__name__}.scaled ")
+    assert identity(scaled) != identity(test_identity_names_objects_by_what_they_are)
+    assert identity(torch.zeros(1)) is None
 
 
 CHILD = textwrap.dedent('''

@@ -11,10 +11,12 @@ compile cache, so that a later process runs the step without tracing it again.
 A trace keeps every guard Dynamo can store. The others compare object identities
 (`torch.cat`, a global function, a closure): a trace checks them itself on every
 call, against the objects it was traced with, or, in a later process, against
-objects it found under the same names and recognised (`identity()`: a module by
-name, a function by its code). So are the guards on constants read through such
+objects it found under the same names and recognised (`api/identity.py`: a module
+by name, a function by its code). So are the guards on constants read through such
 an object (a wrapped function's `__name__`), which Dynamo could store but not
-check in a later process. Their sources are read by a walker over their syntax
+check in a later process, and the type guards on an instance of a class made
+inside a function (kernels' function modules, in transformers' attention), which
+Dynamo stores by a name such a class lacks. Their sources are read by a walker over their syntax
 (`_compat.guard_sources`), never evaluated; a source it does not read
 leaves the guard to Dynamo. A trace is also refused when a function it inlined
 has changed its source. Steps Dynamo cannot trace as one graph (graph breaks),
@@ -26,9 +28,6 @@ dispatch; so do all steps with `cache_traces=False`.
 
 from __future__ import annotations
 
-import enum
-import hashlib
-import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -41,6 +40,7 @@ from .._compat import traces as dynamo_traces
 from ..backend.backend import Backend
 from ..backend.compile_graph import records_autograd
 from ..report import FallbackKind
+from .identity import constant_identity, identity, is_constant, qualified, recognised
 
 MISS = object()       # what `StoredTraces.__call__` returns for a call Dynamo must run
 
@@ -54,7 +54,7 @@ class _Trace:
     """One trace of the step."""
 
     data: bytes | None                 # serialized, None where a later process could not use it
-    identities: dict[str, str]         # taken-over guard's source -> _recognised() of what it found
+    identities: dict[str, str]         # taken-over guard's source -> recognised() of what it found
     inference_mode: bool               # traced in it: its guards are built in it too
     traced: Any = field(default=None, repr=False)
     objects: dict[str, Any] | None = field(default=None, repr=False)  # taken-over guard's source -> the object
@@ -83,7 +83,7 @@ class StoredTraces:
         self.backend = backend
         self.mark = mark
         self.cache = cache.CompileCache(backend.config.cache_dir, backend.report())
-        self.key = cache.cache_key("stored traces", identity_of_step, _qualified(self.function))
+        self.key = cache.cache_key("stored traces", identity_of_step, qualified(self.function))
         self.globals = self.function.__globals__  # a decorator's wrapper: its own module's, not __module__'s
         self.frame: Callable | None = None  # every trace's guards read the same locals: bound like the first's
         self.traces: list[_Trace] | None = None     # read from the cache on the first call
@@ -170,7 +170,7 @@ class StoredTraces:
 
     def _found(self, trace: _Trace, frame: dict) -> dict[str, Any] | None:
         """The objects under a loaded trace's taken-over guards in this process, when
-        each is what was traced (`_recognised()`); else the trace is refused."""
+        each is what was traced (`recognised()`); else the trace is refused."""
         objects = {}
         for name, expected in trace.identities.items():
             reader = guard_sources.reader(name)
@@ -181,9 +181,9 @@ class StoredTraces:
                 objects[name] = guard_sources.read(reader, frame, self.globals)
             except Exception:  # noqa: BLE001 - a source that no longer reads names nothing
                 objects[name] = None
-            if _recognised(objects[name]) != expected:
+            if recognised(objects[name]) != expected:
                 self._refuse(trace, f"{name} is not the object it was traced with "
-                                    f"({_recognised(objects[name]) or 'not found'}, was {expected})")
+                                    f"({recognised(objects[name]) or 'not found'}, was {expected})")
                 return None
         return objects
 
@@ -222,7 +222,7 @@ class StoredTraces:
         return trace
 
     def _store(self, trace: _Trace, unstorable: str | None) -> None:
-        identities = {name: _recognised(value) for name, value in trace.objects.items()}
+        identities = {name: recognised(value) for name, value in trace.objects.items()}
         unnamed = [name for name, found in identities.items() if found is None]
         try:
             if unstorable or unnamed:
@@ -239,7 +239,7 @@ class StoredTraces:
             return
         except Exception as error:  # noqa: BLE001 - unpicklable state costs later processes a trace, not this one
             self.backend.report().fallback(FallbackKind.TRACE_NOT_STORED,
-                                           f"cache_dir: a trace of {_qualified(self.function)} is used in this "
+                                           f"cache_dir: a trace of {qualified(self.function)} is used in this "
                                            f"process only: it cannot be stored ({_why(error)})")
             if not trace.records_autograd:  # the same step under no_grad stores: not the step's lasting state
                 self._unstorable(_why(error))
@@ -259,56 +259,14 @@ class StoredTraces:
     def _give_up(self, reason: str) -> None:
         self.untraceable = reason
         self.backend.report().fallback(FallbackKind.TRACE_NOT_USED,
-                                       f"cache_dir: {_qualified(self.function)} runs under torch.compile's own "
+                                       f"cache_dir: {qualified(self.function)} runs under torch.compile's own "
                                        f"dispatch from now on, without stored traces ({reason})")
 
     def _refuse(self, trace: _Trace, reason: str) -> None:
         trace.refused = reason
         self.backend.report().fallback(FallbackKind.TRACE_NOT_USED,
-                                       f"cache_dir: a stored trace of {_qualified(self.function)} is not used "
+                                       f"cache_dir: a stored trace of {qualified(self.function)} is not used "
                                        f"({reason}); the step is traced again")
-
-
-def _recognised(value: Any) -> str | None:
-    """identity(), or for a plain constant (a string, a number, a tuple of them) its repr."""
-    return identity(value) or (_constant_identity(value) if _constant(value) else None)
-
-
-def _constant(value: Any) -> bool:
-    if isinstance(value, tuple):
-        return all(_constant(item) for item in value)
-    return value is None or isinstance(value, (bool, int, float, str, bytes))
-
-
-def _constant_identity(value: Any) -> str:
-    return f"constant {type(value).__name__} {value!r}"
-
-
-def identity(value: Any) -> str | None:
-    """A name for an object that a later process can find again and compare: a
-    module by name, a class, enum member, torch op or builtin by qualified name, a
-    function or code object by its code, None and the bools as themselves. None for
-    objects that have no such name."""
-    if value is None or value is Ellipsis or isinstance(value, bool):
-        return f"constant {value!r}"
-    if isinstance(value, enum.Enum):
-        return f"enum {_qualified(type(value))}.{value.name}"
-    if isinstance(value, types.ModuleType):
-        return f"module {value.__name__}"
-    if (op := dynamo_traces.op_name(value)) is not None:
-        return f"op {op}"
-    if isinstance(value, types.CodeType):
-        return f"code {_code_digest(value)}"
-    if isinstance(value, types.FunctionType):
-        return f"function {_qualified(value)} {_code_digest(value.__code__)}"
-    if isinstance(value, type):
-        return f"class {_qualified(value)}"
-    if isinstance(value, (types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType,
-                          types.MethodWrapperType, types.ClassMethodDescriptorType)):
-        owner = getattr(value, "__self__", None)
-        owner = owner.__name__ if isinstance(owner, types.ModuleType) else _qualified(type(owner))
-        return f"builtin {getattr(value, '__module__', None) or owner}.{value.__qualname__}"
-    return None
 
 
 def _keep_guards(entries: list, objects: dict[str, Any], problems: list[str]) -> list[bool]:
@@ -325,7 +283,7 @@ def _keep_guards(entries: list, objects: dict[str, Any], problems: list[str]) ->
     for i, entry in enumerate(entries):
         name = dynamo_traces.guard_name(entry)
         readable = guard_sources.reader(name) is not None
-        if keep[i] and readable and entry.has_value and _constant(entry.value) and name.startswith(
+        if keep[i] and readable and entry.has_value and is_constant(entry.value) and name.startswith(
                 tuple(f"{source}{after}" for source in taken for after in ".[")):
             objects[name] = entry.value
             keep[i] = False
@@ -336,6 +294,11 @@ def _keep_guard(entry: Any, objects: dict[str, Any], problems: list[str]) -> boo
     name = dynamo_traces.guard_name(entry)
     unstorable = dynamo_traces.guard_type(entry) & dynamo_traces.unstorable_guard_types()
     reader = guard_sources.reader(name)
+    if dynamo_traces.guard_type(entry) == {"TYPE_MATCH"} and entry.has_value and reader is not None and \
+            type(entry.value).__qualname__ != type(entry.value).__name__:
+        # Dynamo stores a type by its name, which a class made inside a function lacks.
+        objects[f"type({name})"] = type(entry.value)
+        return False
     if not unstorable or unstorable - IDENTITY_GUARDS or not entry.has_value or reader is None:
         # An identity guard graphopt cannot read stays Dynamo's, which cannot store it: no trace then.
         module_global = reader is not None and reader[0] == guard_sources.GLOBALS and not reader[2]
@@ -352,7 +315,7 @@ def _identity_check(objects: dict[str, Any]) -> Callable:
     in `objects` still holds the same object (a constant: an equal one). Like
     Dynamo's guards, it reads G live; a source that no longer reads does not hold."""
     def expected(value: Any) -> tuple[Any, bool]:  # a string or number: an equal one will do
-        return (_constant_identity(value), True) if _constant(value) and identity(value) is None else (value, False)
+        return (constant_identity(value), True) if is_constant(value) and identity(value) is None else (value, False)
 
     guards = tuple((*guard_sources.reader(name), *expected(value)) for name, value in objects.items())
 
@@ -363,29 +326,13 @@ def _identity_check(objects: dict[str, Any]) -> Callable:
                 value = roots[root][key]
                 for step in steps:
                     value = step(value)
-                if (_constant_identity(value) != expected) if constant else (value is not expected):
+                if (constant_identity(value) != expected) if constant else (value is not expected):
                     return False
         except Exception:  # noqa: BLE001 - a source that no longer reads does not hold
             return False
         return True
 
     return check
-
-
-def _code_digest(code: types.CodeType) -> str:
-    """What a code object does, where it was written: equal for a copy torch rebuilt
-    from a stored trace (marshal's bytes are not)."""
-    digest = hashlib.sha256()
-    for part in (code.co_filename, code.co_name, str(code.co_firstlineno), *code.co_names, *code.co_varnames):
-        digest.update(part.encode() + b"\0")
-    digest.update(code.co_code)
-    for const in code.co_consts:
-        digest.update((_code_digest(const) if isinstance(const, types.CodeType) else repr(const)).encode() + b"\0")
-    return digest.hexdigest()[:16]
-
-
-def _qualified(value: Any) -> str:
-    return f"{getattr(value, '__module__', None) or '?'}.{getattr(value, '__qualname__', type(value).__name__)}"
 
 
 def _why(error: Exception) -> str:
