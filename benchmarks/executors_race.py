@@ -3,8 +3,10 @@ with frozen weights and `executors=["onnxruntime", "openvino"]`, at float32 and 
 `compute_dtype="bfloat16"`; each race's candidate medians and its pick; then the two
 steps and graphopt's level 2 in bfloat16 (frozen, no engines) timed beside OpenVINO
 f32, OpenVINO bf16 and ONNX Runtime, each on a static
-`torch.onnx.export` of the eager model, interleaved round by round, medians. The last
-columns are each contender's time over the step's (>= 1: the step is as fast).
+`torch.onnx.export` of the eager model, and `torch.compile` (default mode) of the model
+in float32 and of a bfloat16 copy (its float inputs cast, as a user who casts the
+model would), interleaved round by round, medians. The last columns are each
+contender's time over the step's (>= 1: the step is as fast).
 
     python benchmarks/executors_race.py bert --batches 1 8
     python benchmarks/executors_race.py resnet18 --batches 1 8 --threads 1
@@ -76,16 +78,20 @@ def main() -> None:
             with engines.quiet_export():
                 model = torch.onnx.export(eager, args, dynamo=True).model_proto.SerializeToString()
             arrays = [a.numpy() for a in args]
+            compiled32 = torch.compile(copy.deepcopy(eager))
+            compiled16 = torch.compile(copy.deepcopy(eager).to(torch.bfloat16))
+            args16 = tuple(a.to(torch.bfloat16) if a.is_floating_point() else a for a in args)
             ov32, ov16 = (engines.openvino_runner(model, options.threads, p) for p in ("f32", "bf16"))
             ort = engines.runner("onnxruntime", "f32", model)
             contenders = {"graphopt f32": lambda: f32(*args), "graphopt bf16": lambda: bf16(*args),
                           "graphopt L2 bf16": lambda: level2(*args),
                           "openvino f32": lambda: ov32(arrays)[0], "openvino bf16": lambda: ov16(arrays)[0],
-                          "onnxruntime": lambda: ort(arrays)[0]}
+                          "onnxruntime": lambda: ort(arrays)[0],
+                          "compile f32": lambda: compiled32(*args), "compile bf16": lambda: compiled16(*args16)}
             errors = {k: precision.worst_error([expected], [run()])[1] for k, run in contenders.items()}
             seconds = candidates.median_seconds(contenders, (), options.rounds, 0.15)
         for name, s in seconds.items():
-            print(f"  {name:14s} {s * 1e3:8.2f} ms  max abs error {errors[name]:.2g}  "
+            print(f"  {name:16s} {s * 1e3:8.2f} ms  max abs error {errors[name]:.2g}  "
                   f"/ f32 step {s / seconds['graphopt f32']:5.2f}  / bf16 step {s / seconds['graphopt bf16']:5.2f}")
 
 
