@@ -1,6 +1,7 @@
 """The executors' race against the engines run alone, in one process: graphopt at level 1
 with frozen weights and `executors=["onnxruntime", "openvino"]`, at float32 and at
-`compute_dtype="bfloat16"`; each race's candidate medians and its pick; then the two
+`compute_dtype="bfloat16"` (and at bfloat16 with `guards="inputs"`, the guards a serving
+engine keeps); each race's candidate medians and its pick; then the three
 steps and graphopt's level 2 in bfloat16 (frozen, no engines) timed beside OpenVINO
 f32, OpenVINO bf16 and ONNX Runtime, each on a static
 `torch.onnx.export` of the eager model, and `torch.compile` (default mode) of the model
@@ -72,6 +73,7 @@ def main() -> None:
         with torch.inference_mode():
             expected = eager(*args)
             f32, bf16 = raced(eager, args), raced(eager, args, compute_dtype="bfloat16")
+            trusting = raced(eager, args, compute_dtype="bfloat16", guards="inputs")
             level2 = graphopt.optimize(copy.deepcopy(eager), graphopt.GraphOptimizationConfig(
                 graph_opt_level=2, freeze_parameters=True, compute_dtype="bfloat16"))
             level2(*args)
@@ -84,6 +86,7 @@ def main() -> None:
             ov32, ov16 = (engines.openvino_runner(model, options.threads, p) for p in ("f32", "bf16"))
             ort = engines.runner("onnxruntime", "f32", model)
             contenders = {"graphopt f32": lambda: f32(*args), "graphopt bf16": lambda: bf16(*args),
+                          "bf16 guards=inputs": lambda: trusting(*args),
                           "graphopt L2 bf16": lambda: level2(*args),
                           "openvino f32": lambda: ov32(arrays)[0], "openvino bf16": lambda: ov16(arrays)[0],
                           "onnxruntime": lambda: ort(arrays)[0],
