@@ -213,6 +213,22 @@ class Decorated(torch.nn.Module):
         return self.proj(x).relu()
 
 
+def stored_then_run(model, x, cfg, monkeypatch):
+    """A first start stores its trace and a second runs it without Dynamo tracing,
+    both with eager's output; the second's report."""
+    torch._dynamo.reset()
+    first = graphopt.optimize(model, cfg)
+    with torch.no_grad():
+        torch.testing.assert_close(first(x), model(x))
+    assert first.report().traces_stored == 1, first.report().fallbacks
+    torch._dynamo.reset()
+    second = graphopt.optimize(model, cfg)
+    with torch.no_grad(), monkeypatch.context() as patch:
+        no_tracing(patch)
+        torch.testing.assert_close(second(x.clone()), model(x))
+    return second.report()
+
+
 def test_a_decorated_forward_is_stored_and_checks_the_function_it_wraps(tmp_path, monkeypatch):
     """The guard on the wrapped function's name is the trace's own to check: a
     second start uses the stored trace, and one whose wrapper holds another
@@ -220,18 +236,7 @@ def test_a_decorated_forward_is_stored_and_checks_the_function_it_wraps(tmp_path
     torch.manual_seed(0)
     model, x = Decorated().eval(), torch.randn(4, 8)
     cfg = graphopt.GraphOptimizationConfig(graph_opt_level=1, cache_dir=str(tmp_path), use_cudagraph=False)
-    torch._dynamo.reset()
-    first = graphopt.optimize(model, cfg)
-    with torch.no_grad():
-        torch.testing.assert_close(first(x), model(x))
-    assert first.report().traces_stored == 1, first.report().fallbacks
-
-    torch._dynamo.reset()
-    second = graphopt.optimize(model, cfg)
-    with torch.no_grad(), monkeypatch.context() as patch:
-        no_tracing(patch)
-        torch.testing.assert_close(second(x.clone()), model(x))
-    assert second.report().traces_used == 1
+    assert stored_then_run(model, x, cfg, monkeypatch).traces_used == 1
 
     def other(self, x):
         return self.proj(x).sigmoid()
@@ -300,18 +305,8 @@ def test_function_modules_of_local_classes_are_stored_and_told_apart(tmp_path, m
     assert type(gated).__qualname__ == type(softened).__qualname__
     assert identity(type(gated)) != identity(type(softened))
     assert identity(gated).startswith(f"global {__name__}.gated ")
-    torch._dynamo.reset()
-    first = graphopt.optimize(model, cfg)
-    with torch.no_grad():
-        torch.testing.assert_close(first(x), model(x))
-    assert first.report().traces_stored == 1, first.report().fallbacks
-
-    torch._dynamo.reset()
-    second = graphopt.optimize(model, cfg)
-    with torch.no_grad(), monkeypatch.context() as patch:
-        no_tracing(patch)
-        torch.testing.assert_close(second(x.clone()), model(x))
-    assert (second.report().traces_used, second.report().fallbacks) == (1, {})
+    second = stored_then_run(model, x, cfg, monkeypatch)
+    assert (second.traces_used, second.fallbacks) == (1, {})
 
     model.funcs["act"] = softened
     torch._dynamo.reset()
