@@ -37,8 +37,6 @@ VERSION_SENSITIVE = (
     "tests/test_traces.py::test_a_guard_torch_cannot_store_leaves_the_step_to_dynamo",
     # Dynamo's type guards on a class made inside a function, which graphopt takes over
     "tests/test_traces.py::test_function_modules_of_local_classes_are_stored_and_told_apart",
-    # transformers' Llama through a stored trace (2.11 refused one reading the builtin `type`)
-    "tests/test_hf_generate.py::test_llama_second_start_runs_the_stored_trace",
     # AOTAutograd and Inductor through the compile cache
     "tests/test_cache.py::test_second_start_loads_the_graph_and_its_report",
     "tests/test_cache.py::test_level_1_hit_skips_aot_autograd_and_the_passes",

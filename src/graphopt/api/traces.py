@@ -97,9 +97,6 @@ class StoredTraces:
             return MISS
         full = args if self.bound_to is None else (self.bound_to, *args)
         trace = self._fitting(full, kwargs, ready_only=True)
-        if trace is None and self.untraceable is not None and self.traces is not None and \
-                all(t.ready or t.refused is not None for t in self.traces):
-            return MISS  # given up, with nothing left to load: no compile lock to take
         if trace is None:
             # Loading, building and tracing under Dynamo's compile lock: one thread
             # at a time, as Dynamo compiles frames; a thread that waited finds what
