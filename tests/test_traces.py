@@ -395,6 +395,11 @@ def test_cache_traces_off_stores_graphs_only(decoder, tmp_path):
         graphopt.GraphOptimizationConfig(graph_opt_level=1, cache_traces="yes")
 
 
+class Outer:
+    class Inner:
+        pass
+
+
 def test_identity_names_objects_by_what_they_are():
     assert identity(torch) == "module torch"
     assert identity(torch.cat) == "builtin torch._VariableFunctionsClass.cat"
@@ -402,6 +407,8 @@ def test_identity_names_objects_by_what_they_are():
     assert identity(scaled).startswith(f"function {__name__}.scaled ")
     assert identity(scaled) != identity(test_identity_names_objects_by_what_they_are)
     assert identity(torch.zeros(1)) is None
+    # A class nested in a class is found by its qualified name; only one made in a function is digested.
+    assert identity(Outer.Inner) == f"class {__name__}.Outer.Inner"
 
 
 CHILD = textwrap.dedent('''

@@ -58,7 +58,7 @@ def identity(value: Any) -> str | None:
     if isinstance(value, types.FunctionType):
         return f"function {qualified(value)} {_code_digest(value.__code__)}"
     if isinstance(value, type):
-        return f"class {qualified(value)}" if value.__qualname__ == value.__name__ else _local_class(value)
+        return _local_class(value) if "<locals>" in value.__qualname__ else f"class {qualified(value)}"
     if isinstance(value, (types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType,
                           types.MethodWrapperType, types.ClassMethodDescriptorType)):
         owner = getattr(value, "__self__", None)
@@ -74,10 +74,10 @@ def _named_global(value: Any) -> str | None:
         return None
     try:
         name, module = value.__reduce__(), value.__module__
-        found = name if isinstance(name, str) and getattr(sys.modules.get(module), name, None) is value else None
+        named = isinstance(name, str) and getattr(sys.modules.get(module), name, None) is value
     except Exception:  # noqa: BLE001 - an object that does not say its name has none
         return None
-    kind = identity(type(value)) if found else None
+    kind = identity(type(value)) if named else None
     return f"global {module}.{name} {kind}" if kind else None
 
 

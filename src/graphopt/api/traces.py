@@ -16,9 +16,9 @@ by name, a function by its code). So are the guards on constants read through su
 an object (a wrapped function's `__name__`), which Dynamo could store but not
 check in a later process, and the type guards on an instance of a class made
 inside a function (kernels' function modules, in transformers' attention), which
-Dynamo stores by a name such a class lacks. Their sources are read by a walker over their syntax
-(`_compat.guard_sources`), never evaluated; a source it does not read
-leaves the guard to Dynamo. A trace is also refused when a function it inlined
+Dynamo stores by a name such a class lacks. Their sources are read by a walker
+over their syntax (`_compat.guard_sources`), never evaluated; a source it does not
+read leaves the guard to Dynamo. A trace is also refused when a function it inlined
 has changed its source. Steps Dynamo cannot trace as one graph (graph breaks),
 with a guard torch cannot store (a dict's version: torch's trace fails, so
 Dynamo's dispatch traces the step again, once), with module forward hooks, or
@@ -291,12 +291,13 @@ def _keep_guards(entries: list, objects: dict[str, Any], problems: list[str]) ->
 
 
 def _keep_guard(entry: Any, objects: dict[str, Any], problems: list[str]) -> bool:
-    name = dynamo_traces.guard_name(entry)
-    unstorable = dynamo_traces.guard_type(entry) & dynamo_traces.unstorable_guard_types()
+    name, guard_types = dynamo_traces.guard_name(entry), dynamo_traces.guard_type(entry)
+    unstorable = guard_types & dynamo_traces.unstorable_guard_types()
     reader = guard_sources.reader(name)
-    if dynamo_traces.guard_type(entry) == {"TYPE_MATCH"} and entry.has_value and reader is not None and \
+    if guard_types == {"TYPE_MATCH"} and entry.has_value and reader is not None and \
             type(entry.value).__qualname__ != type(entry.value).__name__:
-        # Dynamo stores a type by its name, which a class made inside a function lacks.
+        # Dynamo stores a type by its top-level name, which a class made inside a
+        # function (or another class) lacks; identity() names it either way.
         objects[f"type({name})"] = type(entry.value)
         return False
     if not unstorable or unstorable - IDENTITY_GUARDS or not entry.has_value or reader is None:
