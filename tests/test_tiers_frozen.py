@@ -64,6 +64,7 @@ def test_a_frozen_graph_serves_level_1_while_level_2_compiles_in_a_child_then_re
     assert report.repacks == 2
 
 
+@pytest.mark.fresh_cache
 def test_a_frozen_level_2_that_fails_in_the_child_leaves_level_1_serving_and_refreshing():
     # A compiler the child cannot run: level 2 fails there and nowhere else.
     model, optimized = frozen_auto(inductor_compile_config={"cpp.cxx": "/nonexistent/c++"})

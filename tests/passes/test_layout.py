@@ -65,6 +65,7 @@ def run_pass(graph, *args):
     return result
 
 
+@pytest.mark.fresh_cache
 @needs_onednn
 @pytest.mark.parametrize("use_cudagraph", [False, True], ids=["fx", "host-graph"])
 @pytest.mark.parametrize("freeze", [False, True], ids=["live-weights", "frozen"])

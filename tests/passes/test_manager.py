@@ -72,6 +72,7 @@ def test_dump_files_before_and_after_every_pass(decoder, tmp_path):
     assert any("placeholder" in row for row in table)
 
 
+@pytest.mark.fresh_cache
 @pytest.mark.parametrize("variable", ["GRAPHOPT_DEBUG", "TORCH_COMPILE_DEBUG"])
 def test_dumps_switched_on_by_environment(decoder, tmp_path, monkeypatch, variable):
     monkeypatch.chdir(tmp_path)
@@ -145,6 +146,7 @@ def with_broken_pass(monkeypatch, name, fn):
     pytest.param(tensor_literal, r"node 'cat\w*' takes a tensor of shape \(\) as a literal argument",
                  id="tensor_literal"),
 ])
+@pytest.mark.fresh_cache
 def test_a_pass_that_leaves_an_invalid_graph_is_undone(decoder, monkeypatch, broken, problem):
     name = broken.__name__
     pipeline = with_broken_pass(monkeypatch, name, broken)

@@ -3,6 +3,7 @@ run), and the report's memory section."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.fx
 from hypothesis import HealthCheck, given, settings
@@ -210,6 +211,7 @@ def test_host_graph_arena_is_the_planned_arena():
 
 # -- the report -------------------------------------------------------------------------------------
 
+@pytest.mark.fresh_cache
 def test_report_memory_section_for_the_reference_decoder(decoder):
     opt = graphopt.optimize(decoder, graphopt.GraphOptimizationConfig(graph_opt_level=1, use_cudagraph=False))
     batch = 3

@@ -74,6 +74,7 @@ def computed_in(gm, dtype):
     return counts
 
 
+@pytest.mark.fresh_cache
 @pytest.mark.parametrize("freeze", [False, True])
 def test_mlp_at_level_1_computes_its_linears_in_bfloat16(freeze):
     torch.manual_seed(0)
@@ -123,6 +124,7 @@ def test_a_tight_tolerance_keeps_full_precision_and_says_why():
     assert "over precision_tolerance=1e-09: full precision" in str(opt.report())
 
 
+@pytest.mark.fresh_cache
 def test_a_cpu_without_native_bfloat16_computes_in_float32(monkeypatch):
     monkeypatch.setattr(mkldnn, "cpu_has_native_bf16", lambda: False)
     torch.manual_seed(0)
@@ -227,6 +229,7 @@ def quantized(model, **config):
         use_cudagraph=False, freeze_parameters=True, weight_quantization="int8", **config))
 
 
+@pytest.mark.fresh_cache
 def test_int8_weights_run_on_the_int8_kernel_with_the_error_reported():
     torch.manual_seed(0)
     model, x = MLP().eval(), torch.randn(8, 64)

@@ -38,6 +38,7 @@ def greedy(logits):
     return logits.argmax(-1)
 
 
+@pytest.mark.fresh_cache
 def test_bfloat16_decode_step_agrees_on_every_greedy_token(decoder):
     opt = optimized(decoder, compute_dtype="bfloat16")
     with torch.inference_mode():

@@ -217,6 +217,7 @@ def test_four_threads_get_their_own_results(device):
             torch.testing.assert_close(results[batch], eager(*expected[batch]), atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.fresh_cache
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_graph_a_worker_thread_compiles_still_clones_its_outputs(device):
     """The step was captured in the main thread; a worker's inputs are not inference

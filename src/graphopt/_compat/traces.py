@@ -19,6 +19,8 @@ graphopt's own code, for what torch's does not do:
 - `changed_source`: torch stores the inlined functions' source hashes, checks none.
 - a trace is made with the gradients of the call's tensors set aside: torch stores
   a guarded tensor's `.grad` as a placeholder its loader rejects;
+- a trace carries the builtins its bytecode reads, which torch 2.11 leaves out and
+  then refuses the trace for;
 torch's own behaviour kept: a kept guard it cannot store (a dict's version) fails
 `aot_compile`, and Dynamo's dispatch traces the step again, once (docs/compile-cache.md,
 "What is not stored"; no step in graphopt's tests has such a guard).
@@ -26,6 +28,7 @@ torch's own behaviour kept: a kept guard it cannot store (a dict's version) fail
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dataclasses
 import functools
@@ -98,7 +101,7 @@ def trace(fn: Callable, args: tuple, kwargs: dict, backend: Callable, keep_guard
     switch = {"enable_aot_compile": True} if hasattr(torch._dynamo.config, "enable_aot_compile") else {}
     with torch._dynamo.config.patch(switch):
         compiled = torch.compile(fn, fullgraph=True, backend=compile_graph, options={"guard_filter_fn": keep_guards})
-    with _quiet("torch._guards"), _gradients_set_aside(args, kwargs):
+    with _quiet("torch._guards"), _gradients_set_aside(args, kwargs), _builtins_carried():
         traced = compiled.aot_compile((args, kwargs))
     # Modules the bytecode reads under names Dynamo made up for this process
     # (`___module_collections_<id>`): carried as modules, found again by name.
@@ -107,6 +110,34 @@ def trace(fn: Callable, args: tuple, kwargs: dict, backend: Callable, keep_guard
                              if isinstance(fn.__globals__.get(ref), types.ModuleType)})
     _read_globals_live(traced, fn.__globals__)
     return traced
+
+
+@contextlib.contextmanager
+def _builtins_carried() -> Iterator[None]:
+    """The builtins a trace's bytecode reads carried with it, as torch 2.13 does: torch
+    2.11 leaves them out, then refuses a trace that reads a name its globals lack
+    (`type`, which kernels' function modules in transformers 5.25 read). Nothing is
+    patched on a torch that carries them."""
+    from torch._dynamo import convert_frame
+
+    capture = getattr(convert_frame, "GraphCaptureOutput", None)
+    base = getattr(capture, "get_runtime_env", None)
+    # torch 2.13's get_runtime_env carries them itself (beside its _safe_builtins_dict).
+    if base is None or hasattr(convert_frame, "_safe_builtins_dict"):
+        yield
+        return
+
+    def get_runtime_env(self: Any) -> Any:
+        env = base(self)
+        env.used_globals.update({ref: getattr(builtins, ref) for ref in env.external_refs
+                                 if ref not in env.used_globals and hasattr(builtins, ref)})
+        return env
+
+    capture.get_runtime_env = get_runtime_env
+    try:
+        yield
+    finally:
+        capture.get_runtime_env = base
 
 
 @contextlib.contextmanager
