@@ -184,6 +184,30 @@ def test_a_backend_gives_its_recompile_budget_back_when_it_goes():
     assert recompile_limit() == before
 
 
+def test_a_backend_collected_by_the_garbage_collector_writes_no_torch_config(monkeypatch):
+    """A Backend's finalizer runs inside the garbage collector, which may have been
+    entered from a `ContextVar.set` (torch's config is context variables): a config
+    write there frees the context's variables under the outer set (CPython before 3.12,
+    gh-148891), a segfault in a later Dynamo trace. Its budget is given back later."""
+    import gc
+
+    from graphopt._compat.recompile import recompile_limit
+
+    gc.collect()
+    before = recompile_limit()
+    backend = graphopt.Backend(graphopt.GraphOptimizationConfig(graph_opt_level=1))
+    backend.cycle = backend  # only the collector frees it, as a compiled model's Backend
+    writes = []
+    config_module = type(torch._dynamo.config)
+    write = config_module.__setattr__
+    monkeypatch.setattr(config_module, "__setattr__",
+                        lambda module, name, value: writes.append(name) or write(module, name, value))
+    del backend
+    gc.collect()
+    assert writes == []
+    assert recompile_limit() == before and len(writes) == 1  # the budget, taken off at this read
+
+
 # One fresh process (Inductor keeps what both tests read for the process): first a
 # level-2 Backend's ISA checks, whose outcome goes to a file, then a level-2 compile that
 # must print nothing at all.

@@ -74,6 +74,9 @@ def backend_error(error: BaseException) -> BaseException | None:
     return inner if isinstance(inner, BaseException) else None
 
 
+_given_back: list[int] = []  # budgets of collected Backends not yet taken off the limit
+
+
 def allow_recompiles(count: int) -> None:
     """Let Dynamo keep `count` more graphs per function before it gives up and runs
     eagerly. Its limit counts every graph of a code object, across every
@@ -82,8 +85,24 @@ def allow_recompiles(count: int) -> None:
     setattr(config, _recompile_limit_name(), recompile_limit() + count)
 
 
+def give_back_recompiles(count: int) -> None:
+    """`count` taken off the limit at the next `allow_recompiles` or `recompile_limit`.
+    For a finalizer, which runs inside the garbage collector: torch 2.13's config is
+    context variables, and a `ContextVar.set` that the collector re-enters from inside
+    another one frees the context's variables while that one still walks them (CPython
+    before 3.12, gh-148891), so a finalizer must write no config."""
+    _given_back.append(count)  # atomic under the GIL: no lock a collector could wait on
+
+
 def recompile_limit() -> int:
-    """How many graphs Dynamo keeps per function before it gives up and runs eagerly."""
+    """How many graphs Dynamo keeps per function before it gives up and runs eagerly,
+    once the budgets given back since the last read are taken off."""
+    given_back = 0
+    while _given_back:
+        given_back += _given_back.pop()
+    if given_back:
+        setattr(torch._dynamo.config, _recompile_limit_name(),
+                getattr(torch._dynamo.config, _recompile_limit_name()) - given_back)
     return getattr(torch._dynamo.config, _recompile_limit_name())
 
 

@@ -72,7 +72,7 @@ class Backend:
         self._configure(mode)
         compat_recompile.allow_recompiles(RECOMPILE_BUDGET)
         # Given back when the Backend goes: no lasting change to the process's Dynamo limit.
-        weakref.finalize(self, compat_recompile.allow_recompiles, -RECOMPILE_BUDGET)
+        weakref.finalize(self, compat_recompile.give_back_recompiles, RECOMPILE_BUDGET)
         compat_recompile.on_recompile_limit(self._gave_up)
 
     def _configure(self, mode: str | None) -> None:
