@@ -97,13 +97,13 @@ def give_back_recompiles(count: int) -> None:
 def recompile_limit() -> int:
     """How many graphs Dynamo keeps per function before it gives up and runs eagerly,
     once the budgets given back since the last read are taken off."""
+    config, name = torch._dynamo.config, _recompile_limit_name()
     given_back = 0
     while _given_back:
         given_back += _given_back.pop()
     if given_back:
-        setattr(torch._dynamo.config, _recompile_limit_name(),
-                getattr(torch._dynamo.config, _recompile_limit_name()) - given_back)
-    return getattr(torch._dynamo.config, _recompile_limit_name())
+        setattr(config, name, getattr(config, name) - given_back)
+    return getattr(config, name)
 
 
 def _recompile_limit_name() -> str:
