@@ -1,8 +1,11 @@
 """graph_opt_level="auto" with freeze_parameters=True: level 2 compiles in a child process
 while level 1 serves, as for a graph with live weights."""
 
+import pathlib
+
 import pytest
 import torch
+from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 import graphopt
 from graphopt.backend import tiers
@@ -38,6 +41,8 @@ def assert_eager(optimized, model, x):
 
 def test_a_frozen_graph_serves_level_1_while_level_2_compiles_in_a_child_then_refreshes(monkeypatch):
     monkeypatch.setattr(tiers, "MARGIN", 1e6)  # level 2 wins the timing whatever the clock says
+    inductor_dir = pathlib.Path(cache_dir())
+    throwaway = set(inductor_dir.glob("tmp*"))  # what Inductor's force_disable_caches leaves behind
     model, optimized = frozen_auto()
     x = torch.randn(4, 32)
     assert_eager(optimized, model, x)  # level 1's result; level 2's code is on its way
@@ -62,6 +67,7 @@ def test_a_frozen_graph_serves_level_1_while_level_2_compiles_in_a_child_then_re
     optimized.refresh()
     assert_eager(optimized, model, x)
     assert report.repacks == 2
+    assert set(inductor_dir.glob("tmp*")) == throwaway  # the child's compile and refresh()'s kept the cache
 
 
 @pytest.mark.fresh_cache

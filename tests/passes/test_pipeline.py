@@ -108,7 +108,7 @@ def test_level_2_folds_and_refreshes_inside_inductor():
 def test_level_2_takes_inductor_options_and_refresh_repacks_packed_weights(monkeypatch):
     """inductor_compile_config reaches Inductor on top of graphopt's options; with
     the C++ GEMM template packing frozen weights at compile time, refresh() compiles
-    the graph again (without Inductor's caches), so the output follows an in-place
+    the graph again (without Inductor's FX graph cache), so the output follows an in-place
     weight update instead of reading stale packed copies."""
     seen = []
     compile_ = inductor.inductor_compile
@@ -129,7 +129,7 @@ def test_level_2_takes_inductor_options_and_refresh_repacks_packed_weights(monke
         opt.refresh()
         torch.testing.assert_close(opt(x), model(x))
     again = seen[compiled:]
-    assert len(again) == compiled and all(o["force_disable_caches"] and o.items() >= options.items() for o in again)
+    assert len(again) == compiled and all(o["fx_graph_cache"] is False and o.items() >= options.items() for o in again)
     report = opt.report()
     assert report.repacks == compiled and len(opt.graphs()) == len(graphs) and opt.graphs() != graphs
     assert len(report.passes) == len({(p.graph, p.name) for p in report.passes})  # the first compile's records

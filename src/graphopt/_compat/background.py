@@ -89,10 +89,12 @@ def in_child(started: BackgroundCompile) -> Iterator[None]:
 
     saved = inductor.fx_codegen_and_compile
     inductor.fx_codegen_and_compile = codegen
-    # The caches would store the code before it exists: a compile in the background bypasses them.
+    # The caches would store the code before it exists: a compile in the background bypasses
+    # them. Not through `force_disable_caches`: that would build every C++ kernel anew, in a
+    # temporary cache directory that Inductor never deletes.
     try:
         with torch._functorch.config.patch(bundled_autograd_cache=False, enable_autograd_cache=False), \
-                torch._inductor.config.patch(force_disable_caches=True):
+                torch._inductor.config.patch(fx_graph_cache=False):
             yield
     finally:
         inductor.fx_codegen_and_compile = saved

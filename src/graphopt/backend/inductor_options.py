@@ -32,7 +32,10 @@ def inductor_options(device_type: str, cached: bool, frozen: bool = False) -> di
     return options
 
 
-# refresh()'s second compile of a frozen graph: without Inductor's caches, so that it takes
-# its copies of the weights anew; outside Dynamo's trace its sizes have no hints, which the
-# benchmark harness (debugging code appended to every module) asks for on torch 2.11.
-RECOMPILE_OPTIONS = {"force_disable_caches": True, "benchmark_harness": False}
+# refresh()'s second compile of a frozen graph. Inductor's FX graph cache, and AOTAutograd's
+# that rests on it, would hand back code holding packed copies of the old weights, so both
+# are off; the C++ build cache stays on: it keys on the source, which holds no weight value
+# (`force_disable_caches` would rebuild every kernel in a new temporary cache directory that
+# Inductor never deletes). Outside Dynamo's trace the sizes have no hints, which the benchmark
+# harness (debugging code appended to every module) asks for on torch 2.11.
+RECOMPILE_OPTIONS = {"fx_graph_cache": False, "benchmark_harness": False}
