@@ -41,3 +41,8 @@ if [ "$venv" = .venv-newest ] || [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ];
     echo "$wanted" >"$stamp"
 fi
 echo "$venv: torch $("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("torch"))')" >&2
+# Compiled modules, kept in the venv: where PYTHONDONTWRITEBYTECODE is set (the project's
+# development machine sets it) every process compiled the modules of torch, transformers and graphopt
+# from source again, about 8 s of CPU a process, and the test suite starts hundreds.
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX="$PWD/$venv/pycache"
