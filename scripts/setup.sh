@@ -41,8 +41,9 @@ if [ "$venv" = .venv-newest ] || [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ];
     echo "$wanted" >"$stamp"
 fi
 echo "$venv: torch $("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("torch"))')" >&2
-# Compiled modules, kept in the venv: where PYTHONDONTWRITEBYTECODE is set (the project's
-# development machine sets it) every process compiled the modules of torch, transformers and graphopt
-# from source again, about 8 s of CPU a process, and the test suite starts hundreds.
+# Compiled modules, kept in the venv: where PYTHONDONTWRITEBYTECODE is set (this project's
+# development machine sets it) every process compiled torch's, transformers' and graphopt's
+# modules from source again at import, about 8 s of CPU a process; the suite starts many
+# (its workers, the tests of a fresh process, level "auto"'s child compiles).
 unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX="$PWD/$venv/pycache"
