@@ -106,6 +106,36 @@ def test_an_activation_whose_input_is_read_elsewhere_stays_outside():
     assert result.counts == {"linear": 1} and aten.gelu.default in targets(graph)
 
 
+def gelu_between_casts(x, w):
+    return F.gelu(F.linear(x, w).float()).to(torch.bfloat16)
+
+
+def gelu_between_casts_read_in_float32(x, w):
+    g = F.gelu(F.linear(x, w).float())
+    return g.to(torch.bfloat16), g.sum()
+
+
+native_bf16 = pytest.mark.skipif(not mkldnn.cpu_has_native_bf16(),
+                                 reason="bfloat16 is packed where the CPU multiplies it natively")
+
+
+@native_bf16
+def test_a_gelu_between_casts_is_the_bfloat16_linears_post_op():
+    """lower_precision's spelling of a GELU it leaves in float32 (bfloat16 linear, cast
+    up, GELU, cast down) becomes one call that rounds once."""
+    args = (torch.randn(8, 64, 128, dtype=torch.bfloat16), torch.randn(96, 128, dtype=torch.bfloat16))
+    graph, result = run_pass(gelu_between_casts, args, {1})
+    assert result.counts == {"linear_gelu": 1}
+    assert targets(graph) == [mkldnn.linear_pointwise()]
+
+
+@native_bf16
+def test_a_gelu_between_casts_read_in_float32_stays_outside():
+    args = (torch.randn(8, 64, 128, dtype=torch.bfloat16), torch.randn(96, 128, dtype=torch.bfloat16))
+    graph, result = run_pass(gelu_between_casts_read_in_float32, args, {1})
+    assert result.counts == {"linear": 1} and aten.gelu.default in targets(graph)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_other_dtypes_are_left_alone(dtype):
     """bfloat16 is packed only where the CPU multiplies it natively (the next test)."""
@@ -116,7 +146,7 @@ def test_other_dtypes_are_left_alone(dtype):
     assert not result.changed
 
 
-@pytest.mark.skipif(not mkldnn.cpu_has_native_bf16(), reason="bfloat16 is packed where the CPU multiplies it natively")
+@native_bf16
 def test_compute_dtype_linears_are_packed_in_bfloat16_and_refreshed():
     torch.manual_seed(0)
     model = Mlp().eval()
@@ -125,8 +155,10 @@ def test_compute_dtype_linears_are_packed_in_bfloat16_and_refreshed():
     x = torch.randn(8, 64, 64)
     with torch.inference_mode():
         torch.testing.assert_close(step(x), model(x), atol=0.05, rtol=0.05)
-        assert counts(step) == {"linear": 2}  # the GELU reads the linear's cast back to float32
+        # The GELU lower_precision left in float32 between two casts is the up linear's post-op.
+        assert counts(step) == {"linear_gelu": 1, "linear": 1}
         (gm,) = step.graphs()
+        assert aten.gelu.default not in targets(gm)
         packed = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target.startswith("_packed_")]
         assert {getattr(gm, n.target).dtype for n in packed} == {torch.bfloat16}
         model.up.weight.data.mul_(1.5)

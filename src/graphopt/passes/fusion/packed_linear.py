@@ -18,7 +18,7 @@ from ..constant_fold import FROZEN_INPUTS
 from . import FUSED_TAG, gates
 from .conv import frozen_constant, packed_weight
 
-aten = torch.ops.aten
+aten, prims = torch.ops.aten, torch.ops.prims
 
 
 def fuse_packed_linear(gm: torch.fx.GraphModule) -> PassResult:
@@ -29,7 +29,8 @@ def fuse_packed_linear(gm: torch.fx.GraphModule) -> PassResult:
         after:   g = mkldnn._linear_pointwise(x, _packed_0, b, "gelu", [], "tanh")
 
     with `_packed_0` = `w` reordered for oneDNN at optimize time, recomputed by
-    `refresh()` (its refresh recipe). Only with freeze_parameters=True, on the CPU, in
+    `refresh()` (its refresh recipe); in bfloat16 also a GELU that lower_precision left
+    in float32 between two casts (`_post_op`). Only with freeze_parameters=True, on the CPU, in
     float32, or in bfloat16 where the CPU multiplies it natively (`compute_dtype`'s
     linears: oneDNN reorders a plain bfloat16 weight at every call), for a 2-D weight
     and a bias (or none) that are frozen parameters or constants the graph neither
@@ -62,6 +63,39 @@ def _activation(node: torch.fx.Node) -> tuple[str, str] | None:
     return None
 
 
+def _post_op(linear: torch.fx.Node, dtype: torch.dtype) -> tuple[torch.fx.Node, str, str]:
+    """(the node the fused call replaces, unary, algorithm): the activation that alone
+    reads the linear; for a bfloat16 linear also one computed in float32 between two
+    casts, lower_precision's spelling (a GELU is not in its table), whose result only
+    goes back to bfloat16. oneDNN applies the activation to its float32 sums, so the
+    fused call rounds once where the casts rounded twice.
+
+        before:  c = convert(linear(x, w, b), f32);  g = gelu(c);  y = convert(g, bf16)
+        after:   y = mkldnn._linear_pointwise(x, _packed_0, b, "gelu", [], "none")
+    """
+    node = linear
+    if dtype == torch.bfloat16 and len(node.users) == 1 and _cast_to(next(iter(node.users)), torch.float32):
+        node = next(iter(node.users))
+    if len(node.users) != 1 or (post := _activation(next(iter(node.users)))) is None:
+        return linear, "none", ""
+    activation = next(iter(node.users))
+    if node is linear:
+        return activation, *post
+    if len(activation.users) == 1 and _cast_to(cast := next(iter(activation.users)), dtype):
+        return cast, *post
+    return linear, "none", ""
+
+
+def _cast_to(node: torch.fx.Node, dtype: torch.dtype) -> bool:
+    """A cast to `dtype` and nothing else: lower_precision's convert_element_type, or a
+    model's own `.float()` / `.to(dtype)`."""
+    val = value_of(node)
+    if node.target is prims.convert_element_type.default:
+        return node.args[1:] == (dtype,) and not node.kwargs
+    return node.target is aten._to_copy.default and val is not None and val.dtype == dtype \
+        and len(node.args) == 1 and set(node.kwargs) == {"dtype"}
+
+
 def _fuse(gm: torch.fx.GraphModule, linear: torch.fx.Node, facts: GraphFacts) -> str:
     """Rewrite one linear (and its activation); the fused kind ("linear", "linear_gelu",
     "linear_relu"), "gated", or "" for none."""
@@ -76,10 +110,7 @@ def _fuse(gm: torch.fx.GraphModule, linear: torch.fx.Node, facts: GraphFacts) ->
     rows = max(int(shapes.size_hint(xv.numel() // xv.shape[-1])), 1) if xv.dim() and xv.shape[-1] else 1
     if gates.packed_linear_loses(rows, *reversed(wv.shape)):
         return "gated"
-    last, unary, algorithm = linear, "none", ""
-    if len(linear.users) == 1 and (post := _activation(next(iter(linear.users)))) is not None:
-        last = next(iter(linear.users))
-        unary, algorithm = post
+    last, unary, algorithm = _post_op(linear, xv.dtype)
     with gm.graph.inserting_before(last):
         packed = packed_weight(gm, w, mkldnn.pack_linear_weight, (rows,))
         fused = gm.graph.call_function(mkldnn.linear_pointwise(), (x, packed, b, unary, [], algorithm))
