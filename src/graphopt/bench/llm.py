@@ -149,9 +149,10 @@ def torchao_config(fmt: str, device: str) -> Any:
     return PrototypeInt4WeightOnlyConfig(group_size=INT4_GROUP)
 
 
-def torchao_step(workload: Workload, fmt: str, device: str) -> Step:
-    """torchao's `quantize_` on a copy of the model, then `torch.compile` of its forward.
-    Raises ImportError when torchao (or its config for `fmt`) does not import."""
+def torchao_step(workload: Workload, fmt: str, device: str, dtype: torch.dtype | None = None) -> Step:
+    """torchao's `quantize_` on a copy of the model (cast to `dtype` where given), then
+    `torch.compile` of its forward. Raises ImportError when torchao (or its config for
+    `fmt`) does not import."""
     config = torchao_config(fmt, device)
     from torchao.quantization import quantize_
 
@@ -159,4 +160,4 @@ def torchao_step(workload: Workload, fmt: str, device: str) -> Step:
         quantize_(forward.__self__, config)
         return torch.compile(forward)
 
-    return workload.bind(wrap)
+    return workload.bind(wrap, dtype)
