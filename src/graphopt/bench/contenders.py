@@ -59,6 +59,11 @@ class Contender:
         return self.weight_quantization or self.compute_dtype or self.model_dtype
 
     @property
+    def model_torch_dtype(self) -> torch.dtype | None:
+        """The dtype the model is cast to before compiling; None: the model's own."""
+        return getattr(torch, self.model_dtype) if self.model_dtype else None
+
+    @property
     def competitor(self) -> bool:
         """Whether graphopt is measured against it (everything that is not graphopt)."""
         return self.kind != "graphopt"
@@ -150,8 +155,7 @@ def build(contender: Contender, workload: Workload, device: str) -> Step:
     if contender.kind == "eager":
         return workload.bind(lambda target: target)
     if contender.kind == "torch.compile":
-        dtype = getattr(torch, contender.model_dtype) if contender.model_dtype else None
-        return workload.bind(lambda target: torch.compile(target, mode=contender.mode), dtype)
+        return workload.bind(lambda target: torch.compile(target, mode=contender.mode), contender.model_torch_dtype)
     if contender.kind == "torchao":
         return _torchao(contender, workload, device)
     if contender.defaults:
@@ -209,8 +213,7 @@ def _torchao(contender: Contender, workload: Workload, device: str) -> Step:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return llm.torchao_step(workload, contender.weight_quantization, device,
-                                    getattr(torch, contender.model_dtype) if contender.model_dtype else None)
+            return llm.torchao_step(workload, contender.weight_quantization, device, contender.model_torch_dtype)
     except ImportError as error:
         raise Unavailable(f"torchao does not import here ({first_line(error)[:120]}); pip install "
                           "'graphopt[bench]'") from None

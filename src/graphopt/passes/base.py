@@ -29,11 +29,24 @@ class PassResult:
     counts: dict[str, int] = field(default_factory=dict)
 
 
-aten = torch.ops.aten
+aten, prims = torch.ops.aten, torch.ops.prims
+
+# The ops a dtype cast is spelled with: convert_element_type (lower_precision, Inductor's
+# decompositions) and _to_copy (a model's `.to(dtype)` / `.float()`).
+CASTS = (aten._to_copy.default, prims.convert_element_type.default)
 
 # Ops whose result reads its input's storage or strides, not only its values.
 STRIDE_READERS = {aten.as_strided.default, aten.as_strided_scatter.default,
                     aten.sym_stride.int, aten.sym_storage_offset.default}
+
+
+def changes_only_dtype(node: torch.fx.Node) -> bool:
+    """A cast (one of CASTS) that changes only the dtype (not device, layout or memory format)."""
+    if node.target is prims.convert_element_type.default:
+        return True
+    return len(node.args) == 1 and all(v is None or k in ("dtype", "non_blocking") or
+                                       (k == "memory_format" and v is torch.preserve_format)
+                                       for k, v in node.kwargs.items())
 
 
 def is_collective(node: torch.fx.Node) -> bool:

@@ -13,13 +13,12 @@ import torch
 import torch.fx
 
 from .._compat.shapes import known_true, same_sizes
-from .base import GraphFacts, PassResult, alias_root, is_contiguous, value_of
+from .base import CASTS, GraphFacts, PassResult, alias_root, changes_only_dtype, is_contiguous, value_of
 
-aten, prims = torch.ops.aten, torch.ops.prims
+aten = torch.ops.aten
 
 _RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 _PERMUTES = (aten.permute.default, aten.transpose.int, aten.t.default)
-_CASTS = (aten._to_copy.default, prims.convert_element_type.default)
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
 # The expands and flatten/restore reshapes around these are the decomposition of a
 # linear or a batched matmul, which recompose_linear / recompose_matmul turn back
@@ -89,7 +88,7 @@ def _noop_source(node: torch.fx.Node) -> torch.fx.Node | None:
         return x if _full_slice(x, *args[1:]) else None
     if target in _PERMUTES:
         return x if _permutation(node) == list(range(x_val.dim())) else None
-    if target in (aten.alias.default, aten.clone.default, aten.lift_fresh_copy.default, *_CASTS,
+    if target in (aten.alias.default, aten.clone.default, aten.lift_fresh_copy.default, *CASTS,
                   aten.view.dtype):
         return x if val.dtype == x_val.dtype and not node.kwargs.get("pin_memory") else None
     if target is aten.repeat.default:
@@ -212,8 +211,8 @@ def _reshapes(facts: GraphFacts, node: torch.fx.Node) -> bool:
 
 
 def _casts(facts: GraphFacts, node: torch.fx.Node) -> bool:
-    inner = _single_user_input(node, _CASTS)
-    if inner is None or not (_only_dtype(node) and _only_dtype(inner)):
+    inner = _single_user_input(node, CASTS)
+    if inner is None or not (changes_only_dtype(node) and changes_only_dtype(inner)):
         return False
     source = inner.args[0]
     x, a, b = (value_of(n) for n in (source, inner, node))
@@ -227,15 +226,6 @@ def _casts(facts: GraphFacts, node: torch.fx.Node) -> bool:
     if b.dtype == x.dtype and facts.substitute(node, source):
         return True  # a cast and its exact inverse: f16 -> f32 -> f16 is the f16 tensor
     return facts.replace_with(node, node.target, (source, *node.args[1:]), node.kwargs)
-
-
-def _only_dtype(node: torch.fx.Node) -> bool:
-    """A cast that changes only the dtype (not device, layout or memory format)."""
-    if node.target is prims.convert_element_type.default:
-        return True
-    return len(node.args) == 1 and all(v is None or k in ("dtype", "non_blocking") or
-                                       (k == "memory_format" and v is torch.preserve_format)
-                                       for k, v in node.kwargs.items())
 
 
 def _negs(facts: GraphFacts, node: torch.fx.Node) -> bool:
@@ -269,7 +259,7 @@ def _splits(facts: GraphFacts, node: torch.fx.Node) -> bool:
 _RULES = {
     **{t: _permutes for t in _PERMUTES},
     **{t: _reshapes for t in _RESHAPES},
-    **{t: _casts for t in _CASTS},
+    **{t: _casts for t in CASTS},
     aten.neg.default: _negs,
     **{t: _splits for t in _SPLITS},
 }

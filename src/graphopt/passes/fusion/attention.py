@@ -12,18 +12,17 @@ import torch.fx
 import torch.nn.functional as F
 
 from ..._compat import fake, patterns, shapes
-from ..base import PassResult, value_of
+from ..base import CASTS, PassResult, value_of
 from ..strides import restrided, same_strides, set_values
 from . import FUSED_ATEN_OPS, gates
 from .softmax import softmax_input
 
-aten, prims = torch.ops.aten, torch.ops.prims
+aten = torch.ops.aten
 
 SDPA_OPS = {op for op, name in FUSED_ATEN_OPS.items() if name == "scaled_dot_product_attention"}
 _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 # A batched matmul's decomposition re-reads its operands through these only.
 _LAYOUT = _RESHAPES | {aten.expand.default, aten.clone.default}
-_CASTS = {aten._to_copy.default, prims.convert_element_type.default}
 _SCALES = {aten.mul.Tensor: False, aten.mul.Scalar: False, aten.div.Tensor: True, aten.div.Scalar: True}
 _NOTS = (aten.bitwise_not.default, aten.logical_not.default)
 # A softmax's input is at most this many stages (scale, mask, cast) from the product.
@@ -115,7 +114,7 @@ def match(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Found | None:
         return None
     internal |= softmax[1] | {stage for stage, _, _ in stages}
     probs = node
-    if len(probs.users) == 1 and next(iter(probs.users)).target in _CASTS:
+    if len(probs.users) == 1 and next(iter(probs.users)).target in CASTS:
         internal.add(probs)
         probs = next(iter(probs.users))
     consumer = _consumer(probs)
@@ -154,7 +153,7 @@ def score_stages(gm: torch.fx.GraphModule, node: torch.fx.Node):
             factor = number(gm, other)
             if factor and same_shape(node, chain):
                 yield "scale", chain, 1.0 / factor if divide else factor
-    elif target in _CASTS:
+    elif target in CASTS:
         source, val = value_of(args[0]), value_of(node)
         if source is not None and val is not None and source.dtype in (torch.float16, torch.bfloat16) \
                 and val.dtype == torch.float32:

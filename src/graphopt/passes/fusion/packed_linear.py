@@ -13,12 +13,12 @@ import torch
 import torch.fx
 
 from ..._compat import mkldnn, shapes
-from ..base import GraphFacts, PassResult, erase_dead, value_of
+from ..base import CASTS, GraphFacts, PassResult, changes_only_dtype, erase_dead, value_of
 from ..constant_fold import FROZEN_INPUTS
 from . import FUSED_TAG, gates
 from .conv import frozen_constant, packed_weight
 
-aten, prims = torch.ops.aten, torch.ops.prims
+aten = torch.ops.aten
 
 
 def fuse_packed_linear(gm: torch.fx.GraphModule) -> PassResult:
@@ -90,10 +90,7 @@ def _cast_to(node: torch.fx.Node, dtype: torch.dtype) -> bool:
     """A cast to `dtype` and nothing else: lower_precision's convert_element_type, or a
     model's own `.float()` / `.to(dtype)`."""
     val = value_of(node)
-    if node.target is prims.convert_element_type.default:
-        return node.args[1:] == (dtype,) and not node.kwargs
-    return node.target is aten._to_copy.default and val is not None and val.dtype == dtype \
-        and len(node.args) == 1 and set(node.kwargs) == {"dtype"}
+    return node.target in CASTS and changes_only_dtype(node) and val is not None and val.dtype == dtype
 
 
 def _fuse(gm: torch.fx.GraphModule, linear: torch.fx.Node, facts: GraphFacts) -> str:
