@@ -6,6 +6,7 @@ optimized step after `torch._dynamo.reset()`, or a subprocess where two start at
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -22,6 +23,7 @@ from support import cache_entries as entries
 
 import graphopt
 from graphopt import FallbackKind, cache, cache_transfer
+from graphopt.backend import frozen_code
 from graphopt.cli import main as cli
 from graphopt.config import tolerance
 from graphopt.models import Decoder, DecoderConfig, generate
@@ -126,22 +128,86 @@ def test_level_1_a_changed_value_the_passes_read_compiles_again(tmp_path):
     assert report.fallback_counts[FallbackKind.CACHE_NOT_LOADED] >= 1
 
 
-def test_level_2_frozen_second_start_hits_and_a_changed_weight_misses(tmp_path, monkeypatch):
+def level_2_decoder(monkeypatch, tmp_path) -> Decoder:
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     torch.manual_seed(0)
-    decoder = Decoder(DecoderConfig.tiny(num_layers=1)).eval()  # level 2's C++ code for one layer: compiled faster
+    return Decoder(DecoderConfig.tiny(num_layers=1)).eval()  # level 2's C++ code for one layer: compiled faster
+
+
+def test_level_2_frozen_entry_holds_the_code_without_the_weights(tmp_path, monkeypatch):
+    """A second start loads Inductor's code from graphopt's entry and packs its own
+    weights for it; a changed weight loads the same code with the new weight packed."""
+    decoder = level_2_decoder(monkeypatch, tmp_path)
     expected = generate(decoder, PROMPTS, 6)
     tokens, first = generated(decoder, tmp_path / "graphopt", graph_opt_level=2)
     tokens_again, second = generated(decoder, tmp_path / "graphopt", graph_opt_level=2)
     assert torch.equal(tokens, expected) and torch.equal(tokens_again, expected)
     assert (first.cache_misses, second.cache_hits, second.cache_misses) == (1, 1, 0)
     assert second.graphs[0].gemms == first.graphs[0].gemms  # the choices, from graphopt's entry
+    [timings] = (tmp_path / "inductor" / "cache").iterdir()  # Inductor's, kept per CPU model
+    assert timings.name.endswith(hashlib.sha256(cache.cpu_model().encode()).hexdigest()[:16])
+    [entry] = [e for e in stored(tmp_path / "graphopt") if "code" in e]
+    kinds = [spec[0] for spec in entry["constants"].values()]
+    assert kinds.count("packed") == 2, kinds  # the template's fused QKV and gate-up weights
+    assert "value" not in kinds
+    weights = sum(p.numel() * p.element_size() for p in decoder.parameters())
+    assert sum(p.stat().st_size for p in entries(tmp_path / "graphopt")) < weights / 2
+    with torch.no_grad():
+        decoder.layers[0].mlp.up_proj.weight.mul_(1.5)
+        decoder.layers[0].self_attn.q_proj.weight.neg_()
+    tokens, changed = generated(decoder, tmp_path / "graphopt", graph_opt_level=2)
+    assert torch.equal(tokens, generate(decoder, PROMPTS, 6)) and not torch.equal(tokens, expected)
+    assert (changed.cache_hits, changed.cache_misses) == (1, 0)
+    # The entry is whole: exported to a directory beside an empty Inductor cache, it loads.
+    archive, imported = tmp_path / "cache.tar.gz", tmp_path / "imported"
+    assert cache_transfer.export(tmp_path / "graphopt", archive).moved == len(entries(tmp_path / "graphopt"))
+    assert not cache_transfer.import_(archive, imported).refused
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-of-another-machine"))
+    tokens, moved = generated(decoder, imported, graph_opt_level=2)
+    assert torch.equal(tokens, generate(decoder, PROMPTS, 6)) and (moved.cache_hits, moved.cache_misses) == (1, 0)
+
+
+def test_level_2_a_constant_without_a_recipe_keys_the_entry_on_the_weights(tmp_path, monkeypatch):
+    """Where Inductor made a constant graphopt cannot trace back to the weights, the
+    entry holds it by value under a key of the weights' values: the same weights load
+    it, a changed weight compiles again."""
+    decoder = level_2_decoder(monkeypatch, tmp_path)
+    traced = frozen_code.constant_specs
+
+    def untraced(recorded, gm):
+        specs, _ = traced(recorded, gm)
+        return {name: ("value", recorded.constants[0][name]) for name in specs}, "untraced, for the test"
+
+    monkeypatch.setattr(frozen_code, "constant_specs", untraced)
+    expected = generate(decoder, PROMPTS, 6)
+    tokens, first = generated(decoder, tmp_path / "graphopt", graph_opt_level=2)
+    tokens_again, second = generated(decoder, tmp_path / "graphopt", graph_opt_level=2)
+    assert torch.equal(tokens, expected) and torch.equal(tokens_again, expected)
+    assert (first.cache_misses, second.cache_hits, second.cache_misses) == (1, 1, 0)
+    assert [e["keyed_on_weights"] for e in stored(tmp_path / "graphopt") if "keyed_on_weights" in e] \
+        == ["untraced, for the test"]
     with torch.no_grad():
         decoder.layers[0].mlp.up_proj.weight.mul_(1.5)
     tokens, changed = generated(decoder, tmp_path / "graphopt", graph_opt_level=2)
     assert torch.equal(tokens, generate(decoder, PROMPTS, 6)) and not torch.equal(tokens, expected)
     assert (changed.cache_hits, changed.cache_misses) == (0, 1)
-    assert changed.graphs[0].gemms  # timings from Inductor's autotune cache, still reported
+
+
+def test_level_2_a_changed_value_the_passes_read_compiles_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    model, x = Scaled().eval(), torch.randn(4, 64)
+    with torch.no_grad():
+        start(model, tmp_path / "graphopt", graph_opt_level=2)(x)
+        [entry] = [e for e in stored(tmp_path / "graphopt") if "code" in e]
+        assert entry["frozen"]["read"]  # 1 + scale: all ones, which algebraic reads
+        model.scale.fill_(0.5)
+        step = start(model, tmp_path / "graphopt", graph_opt_level=2)
+        out = step(x)
+    atol, rtol = tolerance(torch.float32)
+    torch.testing.assert_close(out, model(x), atol=atol, rtol=rtol)
+    report = step.report()
+    assert (report.cache_hits, report.cache_misses) == (0, 1)
+    assert report.fallback_counts[FallbackKind.CACHE_NOT_LOADED] >= 1
 
 
 CHILD = textwrap.dedent('''

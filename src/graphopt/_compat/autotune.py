@@ -1,17 +1,19 @@
 """Inductor's autotuning: what its GEMM autotuning chose (its feedback hook,
 `select_algorithm`'s feedback savers, private), which sees every measured choice of
-every autotuned op; the settings that keep it off the user's stdout and stderr; and
-whether its kernels' launcher is tuning at run time."""
+every autotuned op; where it keeps its timings; the settings that keep it off the
+user's stdout and stderr; and whether its kernels' launcher is tuning at run time."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
 import os
 import sys
 import warnings
 from typing import Any, Iterator
+from unittest import mock
 
 import torch
 
@@ -68,6 +70,28 @@ def gemm_choices() -> Iterator[dict[str, str]]:
             yield chosen
     finally:
         _OPEN.remove(chosen)
+
+
+@contextlib.contextmanager
+def timings_kept_per(machine: str) -> Iterator[None]:
+    """Inside, Inductor's local autotune cache (its GEMM timings by op, shapes, dtypes
+    and strides, in one file per GPU kind and torch, none per CPU) is one file per
+    `machine` as well: timings taken on one kind of CPU never choose another's kernels
+    where machines share `$TORCHINDUCTOR_CACHE_DIR`."""
+    try:
+        from torch._inductor.codecache import CacheBase
+        path = CacheBase.get_local_cache_path
+    except (ImportError, AttributeError):
+        yield
+        return
+    suffix = hashlib.sha256(machine.encode()).hexdigest()[:16]
+
+    def per_machine() -> Any:
+        local = path()
+        return local.with_name(f"{local.name}-{suffix}")
+
+    with mock.patch.object(CacheBase, "get_local_cache_path", staticmethod(per_machine)):
+        yield
 
 
 def open_choices() -> list[dict[str, str]]:

@@ -19,13 +19,14 @@ import torch
 import torch.fx
 
 from .. import cache
-from .._compat import aot_autograd, autotune, dynamo, inductor, shapes, trace_graph
+from .._compat import aot_autograd, autotune, dynamo, inductor, inductor_constants, shapes, trace_graph
 from .._compat import cache as compat_cache
 from ..config import GraphOptimizationConfig
 from ..config_checks import WEIGHT_COPYING_INDUCTOR_OPTIONS
 from ..passes.fusion.replacement import Unkeyable
 from ..passes.manager import PassManager
 from ..report import FallbackKind, GraphRecord, Report
+from . import frozen_code
 from .graph_cache import BackendCache, GraphSpec, NotStorable, device_type
 from .inductor_options import RECOMPILE_OPTIONS, inductor_options
 from .lowering import lower_to_bindings
@@ -112,39 +113,44 @@ class GraphCompiler:
                   real_inputs: list, kinds: list[str], key: str | None, passes: str) -> Compiled:
         """Level 2. Inductor's own caches hold the compiled code; graphopt's holds the
         records of the passes, which a hit in Inductor's cache skips, and the GEMM
-        choices, which it does not make. With frozen weights both are keyed on their values."""
-        covered = None
-        if key is not None and self.config.freeze_parameters:
-            key, passes, covered = self.cache.frozen_keys(key, passes, gm, real_inputs, kinds)
+        choices, which it does not make. With frozen weights graphopt's entry holds the
+        code too, without the weights (frozen_code.py), and Inductor's caches are not read."""
+        frozen = key is not None and self.config.freeze_parameters
         entry = self.cache.load(key)
+        weight_key = None
+        if frozen:
+            weight_key = functools.partial(self.cache.frozen_key, key, real_inputs,
+                                           self.cache.covered_weights(gm, real_inputs, kinds))
+            if entry is not None and "keyed_on_weights" in entry:
+                key, weight_key = weight_key(), None
+                entry = self.cache.load(key)
         optimized: list[tuple[torch.fx.GraphModule, dict]] = []
 
         def post_grad_pass(graph: torch.fx.Graph) -> None:
-            optimized.append((graph.owning_module, self._optimize(graph.owning_module, record, real_inputs, kinds, 2)))
+            records = self._optimize(graph.owning_module, record, real_inputs, kinds, 2)
+            if frozen:  # before lowering, which drops the folded weights its GEMM template packs
+                records["frozen"] = self.cache.frozen_entry(graph.owning_module, real_inputs)
+                frozen_code.note_folded_storages(graph.owning_module)
+            optimized.append((graph.owning_module, records))
 
         autotune.hide_inductor_storage_warning()
         autotune.hide_cuda_home_warning()
         options = {**inductor_options(device_type(real_inputs), cached=key is not None,
                                       frozen=self.config.freeze_parameters),
                    **self.config.inductor_compile_config}
-        # With the cache on, AOTAutograd's entry holds the compiled code itself, so a
-        # stored trace can carry it (traces.py); a frozen graph's trace is not stored, and
-        # its code is found by Inductor's FX graph cache, which keys on the graph AOTAutograd
-        # made (AOTAutograd's own key differs between processes for a full-graph capture).
-        bundled = key is not None and not self.config.freeze_parameters
-        # Without graphopt's records Inductor's code is not looked up: the passes must run.
-        unread = inductor.caches_written_not_read() if key is not None and entry is None else contextlib.nullcontext()
-        with trace_graph.bundled_inductor_cache() if bundled else contextlib.nullcontext(), \
-                autotune.gemm_choices() as gemms, unread:
-            compiled = inductor.inductor_compile(gm, example_inputs, post_grad_pass, passes, options)
-        record.gemms = gemms
-        if optimized:
-            records = optimized[-1][1]
-            records["record"]["gemms"] = dict(gemms)
-            entry = self.cache.store(key, {**records, "direct": None}, optimized[-1][0], inputs=real_inputs,
-                                     covered=covered)
-        elif entry is not None:
-            self._restore(entry, record)
+        compiled = self._load_frozen(entry, record, real_inputs, kinds) if frozen and entry is not None else None
+        if compiled is None:
+            entry = None if frozen else entry
+            compiled, recorded = self._compile_inductor(gm, example_inputs, record, key, passes, options, entry,
+                                                        post_grad_pass)
+            if optimized:
+                records = {**optimized[-1][1], "direct": None}
+                records["record"]["gemms"] = dict(record.gemms)
+                entry = (self.cache.store_frozen_code(key, weight_key, records, optimized[-1][0], compiled, recorded)
+                         if frozen else
+                         self.cache.store(key, records, optimized[-1][0], inputs=real_inputs))
+            elif entry is not None:
+                self._restore(entry, record)
         # Code from Inductor's cache holds its own copies of frozen weights, as do some options' code.
         renews = not optimized or any(options.get(k) for k in WEIGHT_COPYING_INDUCTOR_OPTIONS)
         if self.config.freeze_parameters and renews:
@@ -155,6 +161,34 @@ class GraphCompiler:
                                   held=[inputs, real_inputs])
             self.repackables.append(compiled)
         return Compiled(compiled, entry)
+
+    def _compile_inductor(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], record: GraphRecord,
+                          key: str | None, passes: str, options: dict, entry: dict | None,
+                          post_grad_pass: Callable) -> tuple[Callable, Any]:
+        """Run Inductor, reading its caches only where graphopt's `entry` has the records
+        (a hit there skips the passes); with frozen weights, recording its constants."""
+        frozen = key is not None and self.config.freeze_parameters
+        # With the cache on, AOTAutograd's entry holds the compiled code itself, so that a
+        # stored trace or a frozen entry can carry it (trace_graph.bundled_inductor).
+        bundled = trace_graph.bundled_inductor_cache() if key is not None else contextlib.nullcontext()
+        unread = inductor.caches_written_not_read() if key is not None and entry is None else contextlib.nullcontext()
+        left_out = inductor_constants.constants_left_out() if frozen else contextlib.nullcontext()
+        with bundled, autotune.gemm_choices() as gemms, autotune.timings_kept_per(cache.cpu_model()), unread, \
+                left_out as recorded:
+            compiled = inductor.inductor_compile(gm, example_inputs, post_grad_pass, passes, options)
+        record.gemms = gemms
+        return compiled, recorded
+
+    def _load_frozen(self, entry: dict, record: GraphRecord, real_inputs: list, kinds: list[str]) -> Callable | None:
+        """A frozen entry's code with its constants made from this process's weights, or
+        None (reported) where they do not fit it."""
+        loaded = self.cache.frozen_code(entry, real_inputs, kinds)
+        if isinstance(loaded, str):
+            self.report.fallback(FallbackKind.CACHE_NOT_LOADED, f"cache_dir: a stored frozen graph is compiled "
+                                 f"again: {loaded}")
+            return None
+        self._restore(entry, record)
+        return loaded
 
     def rebuild(self, spec: GraphSpec) -> Callable:
         """In a later process: the compiled graph of `spec` from the compile cache,

@@ -7,8 +7,12 @@ Frozen graphs (freeze_parameters=True) are stored without the weights:
     level 1: entry = the graphs with every value folded from frozen parameters left
              out, and per value its recipe (constant_fold.py); a later process
              recomputes the values from its own weights (`bind`)
-    level 2: Inductor bakes the folded and packed weights into its compiled code, so
-             both caches are keyed on the weights' values as well (`frozen_keys`)
+    level 2: entry = Inductor's compiled code with its constants left out, and per
+             constant how it is made from the folded values (frozen_code.py); a later
+             process folds the values, makes the constants and loads the code
+             (`frozen_code`). Where Inductor made a constant graphopt cannot trace
+             back, the entry holds it by value under a key of the weights' values
+             (`frozen_key`), and the weight-free key says so.
 
 A folded value a pass may have read to decide a rewrite (a small one: a fill value;
 an integral one: an index range) is stored as a digest, and an entry whose values
@@ -22,18 +26,18 @@ import hashlib
 import json
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx
 
 from .. import cache
-from .._compat import fake
+from .._compat import fake, inductor_constants, trace_graph
 from ..config import GraphOptimizationConfig
 from ..passes.constant_fold import FOLDED_RECIPES, FROZEN_INPUTS, may_be_read
 from ..passes.fusion.replacement import USER_PATTERNS, Unkeyable
 from ..report import FallbackKind, GraphRecord, Report
-from . import tiers
+from . import frozen_code, tiers
 
 
 @dataclass
@@ -120,27 +124,66 @@ class BackendCache:
         return None if key is None else self.disk.load(key)
 
     def store(self, key: str | None, records: dict, graph: torch.fx.GraphModule,
-              lowered: torch.fx.GraphModule | None = None, inputs: list | None = None,
-              covered: set[int] | None = None) -> dict | None:
+              lowered: torch.fx.GraphModule | None = None, inputs: list | None = None) -> dict | None:
         """Store a compile; returns the entry stored, None where none was. With frozen
-        weights, `inputs` (the graph's real inputs) and, at level 2, `covered` (the
-        indices of those the key covers) say where they are."""
+        weights at level 1, `inputs` (the graph's real inputs) says where they are."""
         if key is None:
             return None
-        if not self.config.freeze_parameters:
+        if not self.config.freeze_parameters or lowered is None:
             return self.disk.store_compile(key, records, graph, lowered)
         try:
-            if lowered is None:  # level 2 keeps no graph: only graphs() misses it on a hit
-                _check_covered(graph, inputs or [], covered or set())
-                return self.disk.store_compile(key, records, None)
             frozen = frozen_entry(graph, inputs or [])
         except ValueError as error:
-            self.report.cache_misses += 1
-            self.report.fallback(FallbackKind.CACHE_NOT_STORED,
-                                 f"cache_dir: a frozen graph could not be stored ({error}); it is compiled "
-                                 "again in every process")
-            return None
+            return self._not_stored(error)
         return self.disk.store_compile(key, {**records, "frozen": frozen}, graph, lowered, leave_out=frozen["values"])
+
+    def store_frozen_code(self, key: str, weight_key: Callable[[], str] | None, records: dict,
+                          graph: torch.fx.GraphModule, compiled: Any, recorded: Any) -> dict | None:
+        """Level 2 with frozen weights: store the records (with `frozen_entry`'s, taken
+        before lowering) and Inductor's code `compiled` (its constants left out:
+        `recorded`) with how each constant is made from the weights (frozen_code.py).
+        Where a constant is kept by value, the entry goes under the key of the weights'
+        values (`weight_key()`), and `key` says so; `weight_key` is None where `key`
+        already is that key."""
+        try:
+            specs, keyed_on_weights = frozen_code.constant_specs(recorded, graph)
+            frozen = records.pop("frozen")
+            if isinstance(frozen, ValueError):
+                raise frozen
+            code = trace_graph.bundled_inductor(compiled)
+            if code is None:
+                raise ValueError("AOTAutograd kept no serializable entry for its code")
+        except ValueError as error:
+            return self._not_stored(error)
+        entry = {**records, "frozen": frozen, "code": code, "constants": specs}
+        if keyed_on_weights is not None and weight_key is not None:
+            self.disk.store(key, {"keyed_on_weights": keyed_on_weights})
+            key = weight_key()
+        return self.disk.store_compile(key, entry, None)
+
+    @staticmethod
+    def frozen_entry(graph: torch.fx.GraphModule, inputs: list) -> dict | ValueError:
+        """`frozen_entry`, or why a frozen graph cannot be stored."""
+        try:
+            return frozen_entry(graph, inputs)
+        except ValueError as error:
+            return error
+
+    def _not_stored(self, error: ValueError) -> None:
+        self.report.cache_misses += 1
+        self.report.fallback(FallbackKind.CACHE_NOT_STORED,
+                             f"cache_dir: a frozen graph could not be stored ({error}); it is compiled "
+                             "again in every process")
+
+    def frozen_code(self, stored: dict, inputs: list, kinds: list[str]) -> Callable | str:
+        """A level-2 frozen entry's compiled code, its constants made from `inputs`
+        (this process's weights); or why the entry does not fit them."""
+        folded = fold(stored["frozen"], inputs, kinds)
+        if isinstance(folded, str):
+            return folded
+        constants = frozen_code.bind_constants(stored["constants"], folded[1])
+        with inductor_constants.constants_supplied(constants):
+            return trace_graph.load_inductor(stored["code"])
 
     def graphs(self, stored: dict | None, inputs: list,
                kinds: list[str]) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule | None] | None:
@@ -167,18 +210,21 @@ class BackendCache:
         """The stored final graph; none for a frozen one, whose values `graphs` folds."""
         return cache.load_graph(stored["graph"]) if stored["graph"] is not None and "frozen" not in stored else None
 
-    def frozen_keys(self, key: str, passes: str, gm: torch.fx.GraphModule, inputs: list,
-                    kinds: list[str]) -> tuple[str, str, set[int]]:
-        """Level 2 with frozen weights: `key` and the passes' uuid Inductor keys on (`passes`), both
-        covering the values of every parameter and of every buffer the Dynamo graph
-        `gm` does not write (a KV cache changes every step), which Inductor's code may
-        hold; and the indices of the inputs they cover."""
+    @staticmethod
+    def frozen_key(key: str, inputs: list, covered: list[int]) -> str:
+        """`key` covering the values of the inputs `covered` (`covered_weights`): for
+        level-2 code that holds a constant made from them by value."""
+        digest = hashlib.sha256("".join(f"{i}:{cache.tensor_digest(inputs[i])};" for i in covered).encode())
+        return cache.cache_key(key, digest.hexdigest())
+
+    @staticmethod
+    def covered_weights(gm: torch.fx.GraphModule, inputs: list, kinds: list[str]) -> list[int]:
+        """The inputs `frozen_key` covers: every parameter, and every buffer the Dynamo
+        graph `gm` does not write (a KV cache changes every step). Found before the
+        compile, which may rewrite `gm`."""
         lifted = len(inputs) - len(gm.graph.find_nodes(op="placeholder"))  # _aot_args' own parameters
         written = {lifted + i for i in written_buffers(gm, kinds[lifted:])}
-        covered = [i for i in weight_indices(inputs, kinds) if i not in written]
-        digest = hashlib.sha256("".join(f"{i}:{cache.tensor_digest(inputs[i])};" for i in covered).encode())
-        return (cache.cache_key(key, digest.hexdigest()), cache.cache_key(passes, digest.hexdigest()),
-                set(covered))
+        return [i for i in weight_indices(inputs, kinds) if i not in written]
 
     def store_choice(self, key: str | None, choice: dict) -> None:
         """graph_opt_level="auto": the level chosen for the graph of `key`, with its figures."""
@@ -249,21 +295,9 @@ def frozen_entry(graph: torch.fx.GraphModule, inputs: list) -> dict:
             "recipes": [(name, cache.dump_graph(recipe, recipes)) for name, recipe in recipes.items()]}
 
 
-def _check_covered(graph: torch.fx.GraphModule, inputs: list, covered: set[int]) -> None:
-    """Raise ValueError where a value folded into `graph` reads an input the key does not cover."""
-    frozen = graph.meta.get(FROZEN_INPUTS, {})
-    for name, recipe in graph.meta.get(FOLDED_RECIPES, {}).items():
-        for placeholder in recipe.graph.find_nodes(op="placeholder"):
-            value = frozen.get(placeholder.target)
-            if not any(x is value and i in covered for i, x in enumerate(inputs)):
-                raise ValueError(f"its folded value {name} reads {placeholder.target}, which the Dynamo graph "
-                                 "seems to write, so its key leaves it out")
-
-
-def bind(stored: dict, inputs: list, kinds: list[str]) -> tuple[torch.fx.GraphModule, Any] | str:
-    """The stored level-1 graphs with their folded values computed from `inputs`, and
-    the final graph set up for refresh(); or why the entry does not fit them."""
-    frozen = stored["frozen"]
+def fold(frozen: dict, inputs: list, kinds: list[str]) -> tuple[dict, dict, dict] | str:
+    """A frozen entry's folded values computed from `inputs` (this process's weights),
+    with the weights and recipes they came from; or why the entry does not fit them."""
     if any(i >= len(inputs) or kinds[i] not in WEIGHT_KINDS for i in frozen["inputs"].values()):
         return "an input it froze is not a parameter or buffer here"
     weights = {name: inputs[i] for name, i in frozen["inputs"].items()}
@@ -278,6 +312,16 @@ def bind(stored: dict, inputs: list, kinds: list[str]) -> tuple[torch.fx.GraphMo
     if changed:
         return (f"its folded value {changed[0]} differs from the one the passes read when it was compiled "
                 "(the weights changed)")
+    return weights, values, recipes
+
+
+def bind(stored: dict, inputs: list, kinds: list[str]) -> tuple[torch.fx.GraphModule, Any] | str:
+    """The stored level-1 graphs with their folded values computed from `inputs`, and
+    the final graph set up for refresh(); or why the entry does not fit them."""
+    folded = fold(stored["frozen"], inputs, kinds)
+    if isinstance(folded, str):
+        return folded
+    weights, values, recipes = folded
     final = cache.load_graph(stored["graph"], values) if stored["graph"] is not None else None
     if final is not None:
         final.meta[FROZEN_INPUTS], final.meta[FOLDED_RECIPES] = weights, recipes
