@@ -1,6 +1,6 @@
 """Level 2 with frozen weights, stored without them: Inductor's compiled code with its
 constants left out, and for each constant how a later process makes it from its own
-weights (`constant_specs`), so that it loads the code and binds them (`bind_constants`).
+weights (`constant_specs`), so that it loads the code and makes them (`make_constants`).
 
     a constant of the compiled code              is stored as
     a value the passes folded from weights       ("folded", name): its recipe is in the entry
@@ -17,14 +17,16 @@ one is the graph's own.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Callable
 
 import torch
 import torch.fx
 
 from .. import cache
+from .._compat import fake
 from .._compat.inductor_constants import Recorded
 from ..passes.constant_fold import FOLDED_RECIPES
+from . import packing
 
 FOLDED_STORAGES = "graphopt_folded_storages"
 
@@ -66,21 +68,56 @@ def note_folded_storages(gm: torch.fx.GraphModule) -> None:
                                 if hasattr(gm, name) and getattr(gm, name).layout == torch.strided}
 
 
-def bind_constants(specs: dict[str, tuple], values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The compiled code's constants, made from `values` (the folded values, computed
-    from this process's weights) as `specs` says."""
-    bound: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
+def make_constants(specs: dict[str, tuple], frozen: dict, weights: dict[str, torch.Tensor]) -> dict | str:
+    """The compiled code's constants made from `weights` (this process's, by the names
+    the entry's recipes read) as `specs` says, or why the entry does not fit them (a
+    value a pass read differs). A packed weight is made by one graph, its fold and
+    packing composed (packing.py), so its folded value is never made on its own."""
+    recipes = dict(frozen["recipes"])
+    values: dict[str, torch.Tensor] = {}
+
+    def folded(name: str) -> torch.Tensor:
+        if name not in values:
+            for read in _reads(recipes[name]):  # an earlier folded value, by name
+                folded(read)
+            values[name] = _run(cache.load_graph(recipes[name], values), weights)
+        return values[name]
+
+    with fake.outside_fake_mode(), torch.inference_mode(False), torch.no_grad():
+        changed = [name for name, digest in frozen["read"].items() if cache.tensor_digest(folded(name)) != digest]
+        if changed:
+            return (f"its folded value {changed[0]} differs from the one the passes read when it was compiled "
+                    "(the weights changed)")
+        constants = {}
         for name, spec in specs.items():
-            bound[name] = _made(spec, values)
-    return bound
+            if spec[0] == "folded":
+                constants[name] = folded(spec[1])
+            elif spec[0] == "packed":
+                constants[name] = _packed(spec, recipes, folded, weights)
+            else:
+                constants[name] = spec[1]
+    return constants
 
 
-def _made(spec: tuple, values: dict[str, torch.Tensor]) -> Any:
-    kind = spec[0]
-    if kind == "folded":
-        return values[spec[1]]
-    if kind == "packed":
-        _, source, size, stride, offset, dumped = spec
-        return cache.load_graph(dumped)(values[source].as_strided(size, stride, offset))
-    return spec[1]
+def _packed(spec: tuple, recipes: dict, folded: Callable, weights: dict) -> torch.Tensor:
+    _, source, size, stride, offset, dumped = spec
+    packing_graph = cache.load_graph(dumped)
+    if _reads(recipes[source]):  # a recipe reading folded values by name: made in two steps
+        return packing_graph(folded(source).as_strided(size, stride, offset))
+    recipe = cache.load_graph(recipes[source])
+    whole = packing.composed(recipe, (size, stride, offset), packing_graph)
+    inputs = [weights[p.target] for p in recipe.graph.find_nodes(op="placeholder")]
+    try:
+        whole = packing.simplify(whole, inputs)
+    except Exception:  # noqa: BLE001, S110 - an op without a meta kernel: the composed graph, unsimplified
+        pass
+    return whole(*inputs)
+
+
+def _run(recipe: torch.fx.GraphModule, weights: dict) -> torch.Tensor:
+    return recipe(*[weights[p.target] for p in recipe.graph.find_nodes(op="placeholder")])
+
+
+def _reads(dumped: dict) -> list[str]:
+    """The values a stored recipe reads by name (get_attr of one it does not hold)."""
+    return [target for op, _, target, _ in dumped["nodes"] if op == "get_attr" and target not in dumped["attributes"]]

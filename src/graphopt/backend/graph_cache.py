@@ -178,10 +178,12 @@ class BackendCache:
     def frozen_code(self, stored: dict, inputs: list, kinds: list[str]) -> Callable | str:
         """A level-2 frozen entry's compiled code, its constants made from `inputs`
         (this process's weights); or why the entry does not fit them."""
-        folded = fold(stored["frozen"], inputs, kinds)
-        if isinstance(folded, str):
-            return folded
-        constants = frozen_code.bind_constants(stored["constants"], folded[1])
+        weights = frozen_weights(stored["frozen"], inputs, kinds)
+        if isinstance(weights, str):
+            return weights
+        constants = frozen_code.make_constants(stored["constants"], stored["frozen"], weights)
+        if isinstance(constants, str):
+            return constants
         with inductor_constants.constants_supplied(constants):
             return trace_graph.load_inductor(stored["code"])
 
@@ -295,12 +297,19 @@ def frozen_entry(graph: torch.fx.GraphModule, inputs: list) -> dict:
             "recipes": [(name, cache.dump_graph(recipe, recipes)) for name, recipe in recipes.items()]}
 
 
+def frozen_weights(frozen: dict, inputs: list, kinds: list[str]) -> dict[str, torch.Tensor] | str:
+    """The weights a frozen entry's recipes read, by name, among `inputs`; or why they are not there."""
+    if any(i >= len(inputs) or kinds[i] not in WEIGHT_KINDS for i in frozen["inputs"].values()):
+        return "an input it froze is not a parameter or buffer here"
+    return {name: inputs[i] for name, i in frozen["inputs"].items()}
+
+
 def fold(frozen: dict, inputs: list, kinds: list[str]) -> tuple[dict, dict, dict] | str:
     """A frozen entry's folded values computed from `inputs` (this process's weights),
     with the weights and recipes they came from; or why the entry does not fit them."""
-    if any(i >= len(inputs) or kinds[i] not in WEIGHT_KINDS for i in frozen["inputs"].values()):
-        return "an input it froze is not a parameter or buffer here"
-    weights = {name: inputs[i] for name, i in frozen["inputs"].items()}
+    weights = frozen_weights(frozen, inputs, kinds)
+    if isinstance(weights, str):
+        return weights
     values: dict[str, torch.Tensor] = {}
     recipes: dict[str, torch.fx.GraphModule] = {}
     # Outside inference mode: refresh() updates the values in place later.
