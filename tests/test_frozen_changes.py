@@ -84,6 +84,32 @@ def test_a_changed_weight_is_refreshed_before_the_next_call(change, why):
     assert sum(step.report().weight_refreshes.values()) == 1
 
 
+class ZeroScaled(torch.nn.Module):
+    """`x * (1 + scale)` with `scale` zero, as norms like Gemma's start: folded, all ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.zeros(64))
+        self.weight = torch.nn.Parameter(torch.randn(64, 32))
+
+    def forward(self, x):
+        return (x * (1 + self.scale)) @ self.weight
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_value_folded_as_ones_is_not_simplified_away(level):
+    """A product with a value folded from weights that happen to be all ones keeps it:
+    the weights may change (a checkpoint loaded after the first call), and the refreshed
+    value must still be multiplied in."""
+    torch.manual_seed(0)
+    model, x = ZeroScaled().eval(), torch.randn(4, 64)
+    step = optimized(model, level=level)
+    with torch.no_grad():
+        step(x)
+        model.scale.fill_(0.5)
+        torch.testing.assert_close(step(x), model(x), atol=1e-5, rtol=1e-5)
+
+
 def test_an_unchanged_model_never_refreshes():
     torch.manual_seed(0)
     model = Scaled().eval()

@@ -10,6 +10,7 @@ import torch.fx
 
 from .._compat import fake
 from .base import GraphFacts, PassResult, is_contiguous, same_layout, value_of
+from .constant_fold import FOLDED_RECIPES
 
 aten = torch.ops.aten
 
@@ -47,7 +48,8 @@ def simplify_algebra(gm: torch.fx.GraphModule) -> PassResult:
     - `sum(zeros)` with a static result shape -> `zeros(shape)` (any dtype: a sum
       of +0.0 is +0.0), which fold_constants then folds.
     The 1 or 0 may be a Python number or a tensor known to hold only that value:
-    `full`/`ones`/`zeros` and their `_like`/`new_` forms, or a small constant attribute.
+    `full`/`ones`/`zeros` and their `_like`/`new_` forms, or a small constant attribute
+    (not one folded from frozen weights, which refresh() may change).
     Operands written in place, and outputs, are left as `GraphFacts.substitute` says.
     """
     facts = GraphFacts(gm.graph)
@@ -103,7 +105,8 @@ def _is(value: object, element: int) -> bool:
 
 def _fill_value(gm: torch.fx.GraphModule, arg: object) -> object:
     """The one value every element of `arg` has, when that is known: a Python number,
-    a fill op (`full`, `zeros_like`, ...), or a small constant attribute. Else None."""
+    a fill op (`full`, `zeros_like`, ...), or a small constant attribute not folded from
+    frozen weights. Else None."""
     if isinstance(arg, (bool, int, float)):
         return arg
     if not isinstance(arg, torch.fx.Node):
@@ -113,7 +116,9 @@ def _fill_value(gm: torch.fx.GraphModule, arg: object) -> object:
     if arg.target in _FILLS_WITH_VALUE:
         value = arg.args[_FILLS_WITH_VALUE[arg.target]]
         return value if isinstance(value, (bool, int, float)) else None
-    if arg.op == "get_attr":
+    if arg.op == "get_attr" and arg.target not in gm.meta.get(FOLDED_RECIPES, {}):
+        # A value folded from frozen weights is left unread: refresh() recomputes it in place
+        # after the weights change, and code made for its old value would stay.
         tensor = functools.reduce(getattr, arg.target.split("."), gm)
         if isinstance(tensor, torch.Tensor) and 0 < tensor.numel() <= _INSPECT_NUMEL:
             with fake.outside_fake_mode():
