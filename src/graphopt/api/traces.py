@@ -146,7 +146,7 @@ class StoredTraces:
         if not trace.bound:
             graph = dynamo_traces.trace_graph_of(trace.traced)
             try:
-                graph.bind(self.backend.rebuild(graph.spec))
+                graph.bind(self.backend.rebuild(graph.spec, frame, self.globals))
             except Exception as error:  # noqa: BLE001 - a graph that cannot be built costs a new trace
                 self._refuse(trace, _why(error))
                 return False

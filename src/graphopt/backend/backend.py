@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx
 
-from .._compat import dynamo, inductor, trace_graph
+from .._compat import dynamo, guard_sources, inductor, trace_graph
 from .._compat import recompile as compat_recompile
 from .._compat.names import RECOMPILE_LIMIT
 from ..config import AUTO_LEVEL, GraphOptimizationConfig, with_mode
@@ -33,7 +33,7 @@ from ..passes.manager import check_pass_names
 from ..report import FallbackKind, Report
 from . import executors, frozen_watch, recompiles, tiers
 from .compile_graph import Compiled, GraphCompiler, records_autograd
-from .graph_cache import BackendCache, GraphSpec, device_type
+from .graph_cache import WEIGHT_KINDS, BackendCache, GraphSpec, NotStorable, device_type
 from .repack import Repackable
 
 # Graphs each Backend may add to Dynamo's per-function recompile limit: batch size 1
@@ -172,7 +172,7 @@ class Backend:
             return (self._pieces(gm, example_inputs, level, key, fingerprint, layout, options),
                     "it is split into pieces around ops a device graph cannot replay")
         compiled = self.compiler.compile(gm, example_inputs, level, key, fingerprint)
-        spec = bypass or self._spec(key, level, fingerprint, compiled)
+        spec = bypass or self._spec(gm, key, level, fingerprint, compiled)
         if layout is None:
             return compiled.fn, spec
         if isinstance(spec, GraphSpec):
@@ -207,17 +207,39 @@ class Backend:
             split_gm.__dict__[name] = captured[-1]  # found before the submodule of that name
         return device_graphs.wrap(split_gm, captured, layout.signature, key, options)
 
-    def _spec(self, key: str, level: int, fingerprint: str | Unkeyable, compiled: Compiled) -> GraphSpec | str:
+    def _spec(self, gm: torch.fx.GraphModule, key: str, level: int, fingerprint: str | Unkeyable,
+              compiled: Compiled) -> GraphSpec | str:
         """How a later process builds `compiled` again from the compile cache (its
         stored trace's graph), or why it cannot: the trace then serves this process only."""
-        if self.config.freeze_parameters:
-            return "freeze_parameters binds the weights of the process that compiles a graph"
         if compiled.entry is None:
             return "its graph could not be stored in the compile cache"
         if level == 1 and compiled.entry["direct"] is None:
             return "AOTAutograd's runtime wrapper does more than call its graph"
+        weights = self._frozen_weights(gm, compiled.entry) if self.config.freeze_parameters else None
+        if isinstance(weights, str):
+            return weights
         return GraphSpec(key, level, passes=self.cache.pass_uuid(level, fingerprint),
-                         compiled=compiled.fn if level == 2 else None)
+                         compiled=compiled.fn if level == 2 and weights is None else None, weights=weights,
+                         kinds=dynamo.input_kinds(gm) if weights is not None else None)
+
+    @staticmethod
+    def _frozen_weights(gm: torch.fx.GraphModule, entry: dict) -> dict[int, str] | str:
+        """A frozen graph's weight inputs by Dynamo's source, which a later process reads
+        from its call's frame to fold and pack its own weights (`rebuild`); or why its
+        trace cannot be stored."""
+        if entry.get("weight_free") is False:
+            return "its compiled code holds a constant made from the weights by value"
+        if entry["frozen"]["read"]:
+            return ("a value folded from its weights is small enough that a pass may have read it, and a graph "
+                    "built from a stored trace could not be compiled again if it changed")
+        if any(True for _ in gm.parameters()) or any(True for _ in gm.buffers()):
+            return "its graph holds weights of its own rather than taking them as inputs"
+        kinds, sources = dynamo.input_kinds(gm), dynamo.input_sources(gm)
+        weights = {i: source for i, (kind, source) in enumerate(zip(kinds, sources)) if kind in WEIGHT_KINDS}
+        unread = next((source for source in weights.values() if guard_sources.reader(source) is None), None)
+        if unread is not None:
+            return f"graphopt does not read the source of its weight {unread!r}"
+        return weights
 
     def _runtime_options(self) -> Any:
         from .device_graphs import RuntimeOptions
@@ -263,24 +285,37 @@ class Backend:
         runtime, spec = self.compile(gm, example_inputs)
         if isinstance(spec, str):
             return trace_graph.TraceGraph(None, runtime, why=spec, chosen=spec is not tiers.UNCHOSEN)
-        if spec.level == 2:
+        if spec.level == 2 and spec.weights is None:  # a frozen graph's code is in its entry
             spec.inductor = trace_graph.bundled_inductor(spec.compiled)
             if spec.inductor is None:
                 return trace_graph.TraceGraph(None, runtime,
                                               why="AOTAutograd's cache kept no serializable entry of its code")
         return trace_graph.TraceGraph(spec, runtime)
 
-    def rebuild(self, spec: GraphSpec) -> Callable:
+    def rebuild(self, spec: GraphSpec, frame: dict | None = None, module_globals: dict | None = None) -> Callable:
         """In a later process: the callable `__call__` returned for the graph of
-        `spec`, from the compile cache, reported as a cache hit. Raises NotStorable
-        when the cache no longer has the graph, or when the passes that made it
-        differ from this Backend's (another extra_check, say)."""
-        compiled = self.compiler.rebuild(spec)
-        if not spec.signature:
-            return compiled
-        from . import device_graphs
+        `spec`, from the compile cache, reported as a cache hit. A frozen graph folds
+        this process's weights, read from the trace's `frame` (its call's locals) and
+        `module_globals`. Raises NotStorable when the cache no longer has the graph,
+        when the passes that made it differ from this Backend's (another extra_check,
+        say), or when the weights no longer fit it."""
+        inputs = None
+        if spec.weights is not None:
+            if frame is None:
+                raise NotStorable("a frozen graph is built from the weights of the call it serves")
+            inputs = [None] * len(spec.kinds or [])
+            for i, source in spec.weights.items():
+                inputs[i] = guard_sources.read(guard_sources.reader(source), frame, module_globals or {})
+        compiled = self.compiler.rebuild(spec, inputs)
+        if spec.signature:
+            from . import device_graphs
 
-        return device_graphs.whole(compiled, spec.signature, spec.key, self._runtime_options())
+            compiled = device_graphs.whole(compiled, spec.signature, spec.key, self._runtime_options())
+        if inputs is None:
+            return compiled
+        watch = frozen_watch.watch_inputs(compiled, self, inputs, spec.weights)
+        self.frozen_watches.append(watch)
+        return watch
 
     def _level(self, device: str) -> int | str:
         """The level that runs on `device`: level 2 (and "auto") needs a C++ compiler on the CPU."""

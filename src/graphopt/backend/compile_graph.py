@@ -27,7 +27,7 @@ from ..passes.fusion.replacement import Unkeyable
 from ..passes.manager import PassManager
 from ..report import FallbackKind, GraphRecord, Report
 from . import frozen_code
-from .graph_cache import BackendCache, GraphSpec, NotStorable, device_type
+from .graph_cache import BackendCache, GraphSpec, NotStorable, bind, device_type
 from .inductor_options import RECOMPILE_OPTIONS, inductor_options
 from .lowering import lower_to_bindings
 from .repack import Repackable
@@ -158,7 +158,7 @@ class GraphCompiler:
             again = functools.partial(inductor.inductor_compile, gm, inputs, post_grad_pass, passes,
                                       {**options, **RECOMPILE_OPTIONS})
             compiled = Repackable(compiled, again, optimized, self.graph_modules, self.report,
-                                  held=[inputs, real_inputs])
+                                  held=[inputs, real_inputs, *getattr(compiled, "held", [])])
             self.repackables.append(compiled)
         return Compiled(compiled, entry)
 
@@ -190,17 +190,19 @@ class GraphCompiler:
         self._restore(entry, record)
         return loaded
 
-    def rebuild(self, spec: GraphSpec) -> Callable:
+    def rebuild(self, spec: GraphSpec, inputs: list | None = None) -> Callable:
         """In a later process: the compiled graph of `spec` from the compile cache,
-        reported as a cache hit. Raises NotStorable when the cache no longer has the
-        graph, or when the passes that made it differ from this Backend's."""
+        reported as a cache hit; a frozen one with its values folded from the weights
+        among `inputs` (the graph's inputs, None but the weights). Raises NotStorable
+        when the cache no longer has the graph, when the passes that made it differ from
+        this Backend's, or when the weights no longer fit it."""
         if spec.passes is None or spec.passes != self.cache.pass_uuid(spec.level, self.cache.fingerprint()):
             raise NotStorable("graphopt's settings or the registered replacements changed since it was stored")
         stored = self.cache.load(spec.key)
         if stored is None or (spec.level == 1 and stored["lowered"] is None):
             raise NotStorable(f"its graph ({spec.key[:12]}) is no longer in the compile cache")
         if "frozen" in stored:
-            raise NotStorable("its graph binds the weights of the process that compiles it")
+            return self._rebuild_frozen(spec, stored, inputs or [])
         record = GraphRecord(index=len(self.report.graphs), level=spec.level)
         self.report.graphs.append(record)
         start = time.perf_counter()
@@ -209,6 +211,26 @@ class GraphCompiler:
         else:
             compiled = trace_graph.load_inductor(spec.inductor)
         self._restore(stored, record)
+        record.compile_seconds = time.perf_counter() - start
+        record.traced = False
+        return compiled
+
+    def _rebuild_frozen(self, spec: GraphSpec, stored: dict, inputs: list) -> Callable:
+        """`rebuild` of a frozen graph: its values folded (and at level 2, packed) from `inputs`."""
+        start = time.perf_counter()
+        if spec.level == 1:
+            graphs = bind(stored, inputs, spec.kinds)
+            if isinstance(graphs, str):
+                raise NotStorable(graphs)
+            compiled: Callable = compat_cache.call_like_aot(graphs[0], stored["direct"])
+        else:
+            compiled = self.cache.frozen_code(stored, inputs, spec.kinds)
+            if isinstance(compiled, str):
+                raise NotStorable(compiled)
+            self.repackables.append(compiled)
+        record = GraphRecord(index=len(self.report.graphs), level=spec.level)
+        self.report.graphs.append(record)
+        self._restore(stored, record, graphs[1] if spec.level == 1 else None)
         record.compile_seconds = time.perf_counter() - start
         record.traced = False
         return compiled

@@ -17,7 +17,7 @@ one is the graph's own.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.fx
@@ -66,6 +66,39 @@ def note_folded_storages(gm: torch.fx.GraphModule) -> None:
     recipes = gm.meta.get(FOLDED_RECIPES, {})
     gm.meta[FOLDED_STORAGES] = {getattr(gm, name).untyped_storage().data_ptr(): name for name in recipes
                                 if hasattr(gm, name) and getattr(gm, name).layout == torch.strided}
+
+
+class LoadedCode:
+    """A stored level-2 frozen graph's code, loaded with its constants made from this
+    process's `weights` (by the names its recipes read). `remake()` (refresh()) makes
+    them again from the weights as they are now, into the same tensors: no compile."""
+
+    def __init__(self, code: Callable, stored: dict, weights: dict[str, torch.Tensor],
+                 constants: dict[str, torch.Tensor]):
+        self.code, self.stored, self.weights, self.constants = code, stored, weights, constants
+        self.held = [weights]  # what the frozen watch points at reassigned weights
+        self._boxed_call = getattr(code, "_boxed_call", False)  # Dynamo's calling convention
+
+    def __call__(self, *args: Any) -> Any:
+        return self.code(*args)
+
+    def remake(self) -> bool:
+        """Make the constants again from the weights; False (nothing changed) where a
+        value a pass read differs, which the code may rest on: it must be compiled again."""
+        made = make_constants(self.stored["constants"], self.stored["frozen"], self.weights)
+        if isinstance(made, str):
+            return False
+        with torch.no_grad():
+            for name, spec in self.stored["constants"].items():
+                if spec[0] != "value":
+                    self.constants[name].copy_(made[name])
+        return True
+
+    def repack(self) -> None:
+        """refresh() of a graph built from a stored trace, which has no graph to compile again."""
+        if not self.remake():
+            raise RuntimeError("refresh(): a value folded from the weights that a pass may have read changed, "
+                               "and this graph was built from a stored trace; optimize the model again")
 
 
 def make_constants(specs: dict[str, tuple], frozen: dict, weights: dict[str, torch.Tensor]) -> dict | str:

@@ -114,6 +114,15 @@ def watch(runtime: Callable, gm: torch.fx.GraphModule, example_inputs: Sequence[
     return FrozenWatch(runtime, backend, positions, tensors, names)
 
 
+def watch_inputs(runtime: Callable, backend: Any, inputs: list, sources: dict[int, str]) -> FrozenWatch:
+    """`runtime` behind a FrozenWatch of the weights among `inputs` (a graph's inputs,
+    as a stored trace's graph is built from: `sources` names each weight's position)."""
+    _count_assignments()
+    positions = [i for i in sources if isinstance(inputs[i], torch.Tensor) and not inputs[i].is_inference()]
+    return FrozenWatch(runtime, backend, positions, [inputs[i] for i in positions],
+                       [_short(sources[i]) for i in positions])
+
+
 UNFROZEN = ("freeze_parameters=False: a graph ran in inference (no grad) with its weights as live inputs; "
             "freeze_parameters=True would fold and pack them, and notices a change to them before each call "
             "(not a write through .data); see the configuration docs, Frozen weights")

@@ -50,6 +50,10 @@ class GraphSpec:
     signature: Any = None            # with device graphs: the GraphRunner's Signature
     inductor: bytes | None = None    # level 2: Inductor's compiled graph, serialized
     passes: str | None = None        # BackendCache.pass_uuid() it was compiled under
+    # Frozen weights: where the graph's weight inputs come from (graph input -> Dynamo's
+    # source, read from a later call's frame: Backend.rebuild), and each input's kind.
+    weights: dict[int, str] | None = None
+    kinds: list[str] | None = None
     # Level 2, in the compiling process: Inductor's compiled graph, which `inductor` serializes
     # when a trace is stored; never pickled.
     compiled: Any = field(default=None, repr=False, compare=False)
@@ -155,7 +159,8 @@ class BackendCache:
                 raise ValueError("AOTAutograd kept no serializable entry for its code")
         except ValueError as error:
             return self._not_stored(error)
-        entry = {**records, "frozen": frozen, "code": code, "constants": specs}
+        entry = {**records, "frozen": frozen, "code": code, "constants": specs,
+                 "weight_free": keyed_on_weights is None}
         if keyed_on_weights is not None and weight_key is not None:
             self.disk.store(key, {"keyed_on_weights": keyed_on_weights})
             key = weight_key()
@@ -175,7 +180,7 @@ class BackendCache:
                              f"cache_dir: a frozen graph could not be stored ({error}); it is compiled "
                              "again in every process")
 
-    def frozen_code(self, stored: dict, inputs: list, kinds: list[str]) -> Callable | str:
+    def frozen_code(self, stored: dict, inputs: list, kinds: list[str]) -> frozen_code.LoadedCode | str:
         """A level-2 frozen entry's compiled code, its constants made from `inputs`
         (this process's weights); or why the entry does not fit them."""
         weights = frozen_weights(stored["frozen"], inputs, kinds)
@@ -185,7 +190,8 @@ class BackendCache:
         if isinstance(constants, str):
             return constants
         with inductor_constants.constants_supplied(constants):
-            return trace_graph.load_inductor(stored["code"])
+            code = trace_graph.load_inductor(stored["code"])
+        return frozen_code.LoadedCode(code, stored, weights, constants)
 
     def graphs(self, stored: dict | None, inputs: list,
                kinds: list[str]) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule | None] | None:

@@ -3,8 +3,9 @@
 With `freeze_parameters=True`, Inductor's GEMM templates pack each weight for their
 micro-kernel and its freezing folds weights into new constants, both at compile time:
 an in-place weight update never reaches those copies. `refresh()` compiles such a graph
-again from the weights as they are now; graphopt's own folded constants it recomputes
-in place (`passes/constant_fold.py`).
+again from the weights as they are now (code loaded from a frozen entry makes its
+constants again instead, where it can: frozen_code.py); graphopt's own folded
+constants it recomputes in place (`passes/constant_fold.py`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class Repackable:
         return self.compiled(*args)
 
     def repack(self) -> None:
+        remake = getattr(self.compiled, "remake", None)  # code loaded from a frozen entry (frozen_code.py)
+        if remake is not None and remake():
+            return
         report, old = self.report, [graph for graph, _ in self.optimized]
         passes, memory = len(report.passes), len(report.memory)
         self.optimized.clear()
