@@ -29,6 +29,7 @@ def inductor_compile(
     post-grad custom pass (after Inductor's own pattern passes, before lowering)."""
     from torch._inductor.compile_fx import compile_fx
 
+    cpu_isa_checks_done()
     patches = dict(options)
     patches["post_grad_custom_post_pass"] = _custom_graph_pass(post_grad_pass, pass_uuid)
     return compile_fx(gm, example_inputs, config_patches=patches)
@@ -74,6 +75,19 @@ def inductor_option_names() -> frozenset[str]:
     return frozenset(torch._inductor.list_options())
 
 
+_EARLY_CHECKS: list[threading.Thread] = []
+
+
+def cpu_isa_checks_done() -> None:
+    """Wait for the checks `check_cpu_isas_early` started, before Inductor compiles or
+    loads code. Its checks change the ISA objects they test while they run (the AVX512
+    check adds -mavx512bf16 to its flags for a moment): code loaded beside them was built
+    with those flags, which missed the C++ build cache under the flags the compiling
+    process used (8.6 s of g++ in every second start of the tiny decoder, level 2 frozen)."""
+    for thread in _EARLY_CHECKS:
+        thread.join()
+
+
 @functools.cache
 def check_cpu_isas_early() -> threading.Thread:
     """Start, on a thread, the checks Inductor makes before its first CPU compile of
@@ -99,6 +113,7 @@ def check_cpu_isas_early() -> threading.Thread:
 
     thread = threading.Thread(target=check, name="graphopt-cpu-isa-checks", daemon=True)
     thread.start()
+    _EARLY_CHECKS.append(thread)
     return thread
 
 

@@ -28,6 +28,10 @@ def bundled_inductor(compiled: Any) -> bytes | None:
 def load_inductor(data: bytes) -> Callable:
     from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
 
+    from .inductor import cpu_isa_checks_done
+
+    cpu_isa_checks_done()
+
     with torch._inductor.config.patch(enable_autograd_for_aot=True):
         return BundledAOTAutogradSerializableCallable.deserialize_compile_artifacts(data)
 
