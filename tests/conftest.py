@@ -48,6 +48,8 @@ VERSION_SENSITIVE = (
     "tests/test_cache.py::test_level_1_hit_skips_aot_autograd_and_the_passes",
     "tests/test_cache.py::test_level_2_hit_keeps_the_report",
     "tests/test_inductor_cache_reads.py::test_a_graph_new_to_graphopts_cache_is_compiled_once_with_its_passes[frozen]",
+    # Inductor's compiled graph stored without its constants, and the GEMM template's packings
+    "tests/test_cache_frozen.py::test_level_2_frozen_entry_holds_the_code_without_the_weights",
     # the Backend's hold on Dynamo: its name, its recompile budget, Dynamo giving up
     "tests/test_backend.py::test_torch_compile_with_backend_name",
     "tests/test_backend.py::test_dynamo_giving_up_is_counted",

@@ -41,7 +41,7 @@ class Recorded:
     constants (name -> tensor; left out of the compiled graph itself) and the names the
     graph module gave them; per packed weight, how it was packed."""
 
-    constants: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    constants: list[dict[str, torch.Tensor] | None] = field(default_factory=list)  # None: not read
     names: list[dict[str, str]] = field(default_factory=list)
     packings: dict[int, tuple[weakref.ref, Packing]] = field(default_factory=dict)
 
@@ -65,10 +65,15 @@ def constants_left_out() -> Iterator[Recorded]:
 
     def left_out(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
-        graph = signature.bind(self, *args, **kwargs).arguments["graph"]
+        try:
+            names = dict(signature.bind(self, *args, **kwargs).arguments["graph"].allocated_constant_name)
+        except (TypeError, KeyError, AttributeError):  # another torch's compiled graph: left as it is
+            recorded.constants.append(None)
+            recorded.names.append({})
+            return
         tensors = {k: v for k, v in (self.constants or {}).items() if isinstance(v, torch.Tensor)}
         recorded.constants.append(tensors)
-        recorded.names.append(dict(graph.allocated_constant_name))
+        recorded.names.append(names)
         # A new dict: the loaded module already holds the values, and the graph's own
         # dict stays as Inductor left it.
         self.constants = {k: v for k, v in self.constants.items() if k not in tensors}
@@ -122,11 +127,13 @@ def _trace(pack: Callable[[torch.Tensor], torch.Tensor], weight: torch.Tensor) -
 def constants_supplied(values: dict[str, torch.Tensor]) -> Iterator[None]:
     """Inside, a compiled graph Inductor loads (`deserialize_compile_artifacts`) gets
     `values` as its constants, beside those its entry holds."""
-    from torch._inductor.output_code import CompiledFxGraphConstants, CompiledFxGraphConstantsWithGm
+    from torch._inductor import output_code
 
     with contextlib.ExitStack() as patches:
-        for kind in (CompiledFxGraphConstants, CompiledFxGraphConstantsWithGm):
-            patches.enter_context(mock.patch.object(kind, "unwrap", _supplying(kind.unwrap, values)))
+        for name in ("CompiledFxGraphConstants", "CompiledFxGraphConstantsWithGm"):
+            kind = getattr(output_code, name, None)
+            if kind is not None:
+                patches.enter_context(mock.patch.object(kind, "unwrap", _supplying(kind.unwrap, values)))
         yield
 
 

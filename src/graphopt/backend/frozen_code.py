@@ -37,6 +37,8 @@ def constant_specs(recorded: Recorded, gm: torch.fx.GraphModule) -> tuple[dict[s
     if len(recorded.constants) != 1:
         raise ValueError(f"Inductor compiled {len(recorded.constants)} graphs from one, and an entry holds one")
     constants, names = recorded.constants[0], recorded.names[0]
+    if constants is None:
+        raise ValueError("this torch's compiled graph did not say where its constants came from")
     recipes = gm.meta.get(FOLDED_RECIPES, {})
     folded = {name: getattr(gm, name) for name in recipes if hasattr(gm, name)}
     storages = gm.meta.get(FOLDED_STORAGES, {})
