@@ -29,7 +29,8 @@ def inductor_compile(
     post-grad custom pass (after Inductor's own pattern passes, before lowering)."""
     from torch._inductor.compile_fx import compile_fx
 
-    cpu_isa_checks_done()
+    if not _UNREAD and options.get("fx_graph_cache", True):
+        cpu_isa_checks_done()  # a hit in Inductor's caches loads code before any pass runs
     patches = dict(options)
     patches["post_grad_custom_post_pass"] = _custom_graph_pass(post_grad_pass, pass_uuid)
     return compile_fx(gm, example_inputs, config_patches=patches)
@@ -46,6 +47,7 @@ def _custom_graph_pass(fn: Callable[[torch.fx.Graph], None], pass_uuid: str) -> 
     class _GraphoptPostGradPass(CustomGraphPass):
         def __call__(self, graph: torch.fx.Graph) -> None:
             fn(graph)
+            cpu_isa_checks_done()  # lowering, next, picks the vector ISA
 
         def uuid(self) -> str:
             return pass_uuid
@@ -64,7 +66,11 @@ def caches_written_not_read() -> Iterator[None]:
 
     with mock.patch.object(FxGraphCache, "_lookup_graph", staticmethod(lambda *args, **kwargs: (None, {}))), \
             mock.patch.object(AOTAutogradCache, "_lookup", staticmethod(lambda *args, **kwargs: None)):
-        yield
+        _UNREAD.append(True)
+        try:
+            yield
+        finally:
+            _UNREAD.pop()
 
 
 @functools.cache
@@ -76,10 +82,11 @@ def inductor_option_names() -> frozenset[str]:
 
 
 _EARLY_CHECKS: list[threading.Thread] = []
+_UNREAD: list[bool] = []  # non-empty inside caches_written_not_read()
 
 
 def cpu_isa_checks_done() -> None:
-    """Wait for the checks `check_cpu_isas_early` started, before Inductor compiles or
+    """Wait for the checks `check_cpu_isas_early` started, before Inductor lowers or
     loads code. Its checks change the ISA objects they test while they run (the AVX512
     check adds -mavx512bf16 to its flags for a moment): code loaded beside them was built
     with those flags, which missed the C++ build cache under the flags the compiling
