@@ -46,14 +46,14 @@ def constant_specs(recorded: Recorded, gm: torch.fx.GraphModule) -> tuple[dict[s
     keyed_on_weights = None
     for name, value in constants.items():
         attribute = names.get(name)
-        packing = recorded.packing(value)
+        packed = recorded.packing(value)
         if attribute in folded and folded[attribute] is value:
             specs[name] = ("folded", attribute)
         elif isinstance(attribute, str) and attribute not in recipes and getattr(gm, attribute, None) is value:
             specs[name] = ("value", value)
-        elif packing is not None and packing.trace is not None and packing.storage in storages:
-            specs[name] = ("packed", storages[packing.storage], packing.size, packing.stride, packing.offset,
-                           cache.dump_graph(packing.trace))
+        elif packed is not None and packed.trace is not None and packed.storage in storages:
+            specs[name] = ("packed", storages[packed.storage], packed.size, packed.stride, packed.offset,
+                           cache.dump_graph(packed.trace))
         else:
             specs[name] = ("value", value)
             keyed_on_weights = keyed_on_weights or f"Inductor made its constant {name} from a value graphopt " \
