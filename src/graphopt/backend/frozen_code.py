@@ -119,10 +119,9 @@ def make_constants(specs: dict[str, tuple], frozen: dict, weights: dict[str, tor
         return values[name]
 
     with fake.outside_fake_mode(), torch.inference_mode(False), torch.no_grad():
-        changed = [name for name, digest in frozen["read"].items() if cache.tensor_digest(folded(name)) != digest]
-        if changed:
-            return (f"its folded value {changed[0]} differs from the one the passes read when it was compiled "
-                    "(the weights changed)")
+        changed = read_changed(frozen, folded)
+        if changed is not None:
+            return changed
         constants = {}
         for name, spec in specs.items():
             if spec[0] == "folded":
@@ -132,6 +131,16 @@ def make_constants(specs: dict[str, tuple], frozen: dict, weights: dict[str, tor
             else:
                 constants[name] = spec[1]
     return constants
+
+
+def read_changed(frozen: dict, folded: Callable[[str], torch.Tensor]) -> str | None:
+    """Why a frozen entry does not fit this process's weights: a value a pass may have
+    read (kept by digest) folds to another value (`folded` gives it by name); or None."""
+    for name, digest in frozen["read"].items():
+        if cache.tensor_digest(folded(name)) != digest:
+            return f"its folded value {name} differs from the one the passes read when it was compiled (the " \
+                   "weights changed)"
+    return None
 
 
 def _packed(spec: tuple, recipes: dict, folded: Callable, weights: dict) -> torch.Tensor:

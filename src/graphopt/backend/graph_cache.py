@@ -323,10 +323,9 @@ def fold(frozen: dict, inputs: list, kinds: list[str]) -> tuple[dict, dict, dict
         for name, dumped in frozen["recipes"]:
             recipe = recipes[name] = cache.load_graph(dumped, values)
             values[name] = recipe(*[weights[p.target] for p in recipe.graph.find_nodes(op="placeholder")])
-    changed = [name for name, digest in frozen["read"].items() if cache.tensor_digest(values[name]) != digest]
-    if changed:
-        return (f"its folded value {changed[0]} differs from the one the passes read when it was compiled "
-                "(the weights changed)")
+    changed = frozen_code.read_changed(frozen, values.__getitem__)
+    if changed is not None:
+        return changed
     return weights, values, recipes
 
 
