@@ -192,6 +192,43 @@ def test_gemm_timings_are_kept_per_cpu_model():
     assert CacheBase.get_local_cache_path() == shared
 
 
+class GatedLayer(torch.nn.Module):
+    """Two projections of one input: with frozen weights, one GEMM on their concatenation."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up = torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):
+        return torch.nn.functional.silu(self.gate(x)) * self.up(x)
+
+
+def test_with_the_cache_off_each_gemm_shape_is_timed_once_and_nothing_is_kept(tmp_path, monkeypatch):
+    """Inductor keeps no GEMM timing in memory: without its local autotune cache each layer
+    timed its GEMM shapes again. With graphopt's cache off the timings are kept for this
+    process only, in a directory of its own, never beside Inductor's cache."""
+    from torch._inductor import select_algorithm
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[GatedLayer() for _ in range(3)]).eval()
+    timed = []
+    saver = lambda timings, name, inputs, *rest: timed.append(sorted(timings.values()))  # noqa: E731
+    select_algorithm.add_feedback_saver(saver)
+    try:
+        opt = graphopt.optimize(model, graphopt.GraphOptimizationConfig(
+            graph_opt_level=2, freeze_parameters=True, cache_dir=None, use_cudagraph=False))
+        x = torch.randn(1, 64)
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), model(x), **dict(zip(("atol", "rtol"), tolerance(torch.float32))))
+    finally:
+        select_algorithm.get_algorithm_selector_cache().feedback_saver_fns.remove(saver)
+    assert len(opt.report().graphs[0].gemms) == 1  # three layers, one shape
+    # Each layer's GEMM gets the first one's timings, not timings of its own.
+    assert len(timed) == 3 and timed[0] == timed[1] == timed[2], timed
+    assert not list((tmp_path / "inductor").rglob("*autotune*")) and not list((tmp_path / "inductor").rglob("*local*"))
+
+
 def test_level_2_a_constant_without_a_recipe_keys_the_entry_on_the_weights(tmp_path, monkeypatch):
     """Where Inductor made a constant graphopt cannot trace back to the weights, the
     entry holds it by value under a key of the weights' values: the same weights load

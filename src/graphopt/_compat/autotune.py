@@ -10,7 +10,9 @@ import functools
 import hashlib
 import logging
 import os
+import pathlib
 import sys
+import tempfile
 import warnings
 from typing import Any, Iterator
 from unittest import mock
@@ -73,25 +75,35 @@ def gemm_choices() -> Iterator[dict[str, str]]:
 
 
 @contextlib.contextmanager
-def timings_kept_per(machine: str) -> Iterator[None]:
+def timings_kept_per(machine: str | None) -> Iterator[None]:
     """Inside, Inductor's local autotune cache (its GEMM timings by op, shapes, dtypes
     and strides, in one file per GPU kind and torch, none per CPU) is one file per
     `machine` as well: timings taken on one kind of CPU never choose another's kernels
-    where machines share `$TORCHINDUCTOR_CACHE_DIR`."""
+    where machines share `$TORCHINDUCTOR_CACHE_DIR`. With `machine` None the file is in
+    a directory of this process's, removed at its exit: the timings are kept for this
+    process only, and still taken once per shape (Inductor keeps none in memory: without
+    its local cache each of the ~1B decoder's 22 layers timed its two GEMM shapes again)."""
     try:
         from torch._inductor.codecache import CacheBase
         path = CacheBase.get_local_cache_path
     except (ImportError, AttributeError):
         yield
         return
-    suffix = hashlib.sha256(machine.encode()).hexdigest()[:16]
 
     def per_machine() -> Any:
         local = path()
-        return local.with_name(f"{local.name}-{suffix}")
+        if machine is None:
+            return pathlib.Path(_process_directory().name) / local.name
+        return local.with_name(f"{local.name}-{hashlib.sha256(machine.encode()).hexdigest()[:16]}")
 
     with mock.patch.object(CacheBase, "get_local_cache_path", staticmethod(per_machine)):
         yield
+
+
+@functools.cache
+def _process_directory() -> tempfile.TemporaryDirectory:
+    """Held here until the interpreter exits, when its finalizer removes it."""
+    return tempfile.TemporaryDirectory(prefix="graphopt-timings-")
 
 
 def open_choices() -> list[dict[str, str]]:

@@ -288,7 +288,8 @@ def _run_in_child(pickled: Any, env: dict[str, str]) -> tuple[Any, dict[str, str
 
     # The child's warnings are replayed here: what this process keeps off stderr, it does too.
     autotune.hide_inductor_storage_warning()
-    with autotune.gemm_choices() as gemms:
+    # The compile in the background bypasses the caches: its GEMM timings are the child's own.
+    with autotune.gemm_choices() as gemms, autotune.timings_kept_per(None):
         output = _SubprocessFxCompile._run_in_child_subprocess(pickled, env)
     return output, gemms
 

@@ -173,8 +173,8 @@ class GraphCompiler:
         bundled = trace_graph.bundled_inductor_cache() if key is not None else contextlib.nullcontext()
         unread = inductor.caches_written_not_read() if key is not None and entry is None else contextlib.nullcontext()
         left_out = inductor_constants.constants_left_out() if frozen else contextlib.nullcontext()
-        with bundled, autotune.gemm_choices() as gemms, autotune.timings_kept_per(cache.cpu_model()), unread, \
-                left_out as recorded:
+        timings = autotune.timings_kept_per(cache.cpu_model() if key is not None else None)
+        with bundled, autotune.gemm_choices() as gemms, timings, unread, left_out as recorded:
             compiled = inductor.inductor_compile(gm, example_inputs, post_grad_pass, passes, options)
         record.gemms = gemms
         return compiled, recorded

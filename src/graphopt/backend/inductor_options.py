@@ -19,8 +19,9 @@ def inductor_options(device_type: str, cached: bool, frozen: bool = False) -> di
     if device_type == "cpu" and frozen:
         # The C++ GEMM template packs a constant weight for its micro-kernel and wins on some
         # shapes only, so each such GEMM is timed against ATen's (GraphRecord.gemms); the
-        # compile cache keeps the timings (docs/configuration.md, "Level 2: Inductor").
-        options.update(max_autotune_gemm=True, max_autotune_gemm_backends="CPP,ATEN", autotune_local_cache=cached)
+        # timings are kept in Inductor's local cache, in the compile cache's directory or, with
+        # that off, for this process only (autotune.timings_kept_per; docs/configuration.md).
+        options.update(max_autotune_gemm=True, max_autotune_gemm_backends="CPP,ATEN", autotune_local_cache=True)
     if device_type == "cpu" and not distributed.distributed_initialized():
         # A C++ wrapper instead of a Python one: a small decode step runs faster, for a
         # longer compile (docs/configuration.md, "Measured: Inductor settings on the CPU").
