@@ -162,6 +162,27 @@ def test_auto_is_the_default_chooses_a_level_and_a_later_process_compiles_only_t
     assert (third.report().traces_used, third.report().traces_stored) == (1, 0)
 
 
+def test_level_2_starts_at_a_graphs_second_call_so_the_first_pays_level_1_alone():
+    """On the CPU the first call compiles level 1 only (on the ~1B decoder with frozen
+    weights, level 2's tracing and passes had made it 45 s instead of 16 s); the second
+    starts level 2, whose code the child generates while level 1 serves."""
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(4, 32)
+    config = graphopt.GraphOptimizationConfig(graph_opt_level="auto", cache_dir=None, use_cudagraph=False)
+    atol, rtol = tolerance(torch.float32)
+    with torch.no_grad():
+        expected = model(x)
+        optimized = graphopt.optimize(model, config)
+        torch.testing.assert_close(optimized(x), expected, atol=atol, rtol=rtol)
+        assert [g.level for g in optimized.report().graphs] == [1]
+        torch.testing.assert_close(optimized(x), expected, atol=atol, rtol=rtol)  # level 1; level 2 started
+        assert [g.level for g in optimized.report().graphs] == [1, 2]
+        assert tiers.wait_for_background(timeout=600)
+        torch.testing.assert_close(optimized(x), expected, atol=atol, rtol=rtol)  # the choice
+    [choice] = optimized.report().level_choices
+    assert set(choice["seconds"]) == {"1", "2"} and not optimized.report().fallbacks
+
+
 def test_with_lowered_precision_a_level_is_held_to_precision_tolerance_not_float32s():
     """compute_dtype and weight_quantization move outputs by more than float32's
     tolerances, by design: each level's error was measured and bounded when it compiled,

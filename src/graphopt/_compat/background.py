@@ -21,6 +21,7 @@ import contextlib
 import functools
 import logging
 import os
+import re
 import threading
 from concurrent.futures import Future
 from typing import Any, Iterator, Sequence
@@ -56,17 +57,21 @@ class BackgroundCompile:
 
     def why(self) -> str | None:
         """The first failed child compile's error as "Type: message", once ready; None when
-        all succeeded. A child's error arrives as its traceback's text, which ends in it."""
+        all succeeded. A child's error arrives as its traceback's text: the last unindented
+        "Type: message" line (a lowering error's message goes on with the IR it lowered)."""
         error = self.error()
         if error is None:
             return None
         details = getattr(error, "details", None)  # SubprocException: the child's formatted traceback
-        lines = [line.strip() for line in (details or "").splitlines() if line.strip()]
-        return lines[-1] if lines else f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+        lines = [line for line in (details or "").splitlines() if _EXCEPTION_LINE.match(line)]
+        return lines[-1].strip() if lines else f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until ready, or `timeout` seconds; whether it is ready."""
         return not concurrent.futures.wait(self.futures, timeout).not_done
+
+
+_EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*: \S")
 
 
 @contextlib.contextmanager

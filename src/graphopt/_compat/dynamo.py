@@ -58,6 +58,27 @@ def compile_call() -> Any:
     return None
 
 
+def later_in_this_compile() -> Callable[[], Any]:
+    """A context that puts back, for a compile of the graph after Dynamo handed it over
+    (level 2 started at a later call), what Dynamo compiled it in: its tracing context
+    (fake mode and shape environment: without them the compile specialises the graph's
+    symbolic sizes to its example inputs') and the grad and inference modes (a later call
+    outside `torch.no_grad()` would have AOTAutograd trace a backward graph)."""
+    import contextlib
+
+    from torch._guards import TracingContext, tracing
+
+    context, grad, inference = TracingContext.try_get(), torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    @contextlib.contextmanager
+    def again() -> Any:
+        with (tracing(context) if context is not None else contextlib.nullcontext()), \
+                torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            yield
+
+    return again
+
+
 def input_kinds(gm: torch.fx.GraphModule) -> list[str]:
     """For each placeholder of a Dynamo graph: "parameter", "buffer" or "input",
     read from the source Dynamo recorded for it."""

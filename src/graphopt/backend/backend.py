@@ -268,7 +268,13 @@ class Backend:
             return self._runtime_at(gm, example_inputs, 1, fingerprint)
         stateful = tiers.stateful_inputs(dynamo.input_kinds(gm), example_inputs)
         background = tiers.background_compile(device_type(example_inputs), self.cache.off)
-        runtime = tiers.choose(lambda level: self._runtime_at(gm, example_inputs, level, fingerprint)[0], gm,
+        in_compile = dynamo.later_in_this_compile()
+
+        def compile_at(level: int) -> Callable:
+            with in_compile():
+                return self._runtime_at(gm, example_inputs, level, fingerprint)[0]
+
+        runtime = tiers.choose(compile_at, gm,
                                stateful, record, self._report, functools.partial(self.cache.store_choice, key),
                                background, tiers.precision_bound(self.config), self._released)
         return runtime, tiers.UNCHOSEN

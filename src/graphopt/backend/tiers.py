@@ -5,10 +5,12 @@
                                                                               that call's inputs, interleaved;
                                                                               the faster serves every call after
 
-On the CPU level 2 compiles in the background: its code is generated in a child process
-(_compat/background.py) while level 1 serves, and the choice is made at the first call
-after the code arrived. The first call then costs level 1's compile and level 2's
-tracing and passes, not Inductor's code generation and C++ build.
+On the CPU the first call compiles level 1 only and serves it. Level 2 starts at the
+second call (or at wait_for_background()): this process traces it and runs the passes
+(with frozen weights, folding them: seconds on a large model), its code is generated in a
+child process (_compat/background.py) while level 1 serves, and the choice is made at the
+first call after the code arrived. The first call costs level 1's compile alone: on the
+~1B decoder with frozen weights 16 s, where level 2's tracing and passes made it 45 s.
 
 Level 1 wins where a step is bound by launches (a small decode step replayed as one
 host graph), level 2 where it is bound by compute (convolutions, large GEMMs, long
@@ -23,7 +25,7 @@ sees one call's effect.
 
 from __future__ import annotations
 
-import contextlib
+import threading
 import time
 import weakref
 from typing import Any, Callable, ContextManager, Sequence
@@ -43,8 +45,10 @@ UNCHOSEN = "graph_opt_level='auto' chooses its level at its first call"
 # device graph, so a tie is not worth Inductor's compile in every later process.
 MARGIN = 0.97
 ROUNDS, ROUND_SECONDS = 7, 0.02
-# The level 2 compiles running in child processes, for wait_for_background().
+# The level 2 compiles running in child processes, and the choices whose level 2 is still
+# to start, for wait_for_background().
 _PENDING: weakref.WeakSet[background.BackgroundCompile] = weakref.WeakSet()
+_UNSTARTED: weakref.WeakSet[LevelChoice] = weakref.WeakSet()
 
 
 class LevelChoice:
@@ -54,18 +58,25 @@ class LevelChoice:
     `clock` is read around each timed run (a test gives a fake one); `chosen` is called
     once with the finished record (the compile cache stores it). With `pending` (level 2's
     code still being generated in a child process), level 1 serves every call until it has
-    arrived, and the first call after chooses. `bound` is precision_bound()'s. `released`
-    is called with each level's runtime that will not serve (the Backend stops refreshing
-    it: a frozen level 2 left behind would be compiled again at every weight update)."""
+    arrived, and the first call after chooses. With `later` instead (level 2 not compiled
+    yet: `start_level_2`), level 1 serves the first call and the second starts level 2.
+    `bound` is precision_bound()'s. `released` is called with each level's runtime that
+    will not serve (the Backend stops refreshing it: a frozen level 2 left behind would be
+    compiled again at every weight update)."""
 
     def __init__(self, runtimes: dict[int, Callable], eager: Callable, stateful: list[int], record: dict[str, Any],
                  report: Report, chosen: Callable[[dict[str, Any]], None],
                  clock: Callable[[], float] = time.perf_counter, pending: background.BackgroundCompile | None = None,
-                 bound: float | None = None, released: Callable[[Callable], None] = lambda runtime: None):
+                 bound: float | None = None, released: Callable[[Callable], None] = lambda runtime: None,
+                 later: Callable[[], tuple[Callable, background.BackgroundCompile]] | None = None):
         self.runtimes, self.eager, self.stateful = runtimes, eager, stateful
         self.record, self.report, self.chosen, self.clock = record, report, chosen, clock
         self.pending, self.bound, self.released = pending, bound, released
         self.run: Callable = self._first if pending is None else self._waiting
+        self.later, self._starting = later, threading.Lock()
+        if later is not None:
+            self.run = self._level_1_first
+            _UNSTARTED.add(self)
 
     def __call__(self, *args: Any) -> Any:
         return self.run(*args)
@@ -77,6 +88,40 @@ class LevelChoice:
             return {level: 0.0 for level in agreeing}
         return candidates.median_seconds(agreeing, args, ROUNDS, ROUND_SECONDS, state.restore, self.clock)
 
+    def _level_1_first(self, *args: Any) -> Any:
+        """The first call: level 1 serves it, the next one starts level 2."""
+        self.run = self._start_then_run
+        return self.runtimes[1](*args)
+
+    def _start_then_run(self, *args: Any) -> Any:
+        self.start_level_2()
+        return self.run(*args)
+
+    def start_level_2(self) -> None:
+        """Compile level 2 now where it waits for the second call: traced and passed here,
+        its code generated in the child. One that fails leaves level 1 serving, and says why."""
+        with self._starting:
+            later, self.later = self.later, None
+            if later is None:
+                return
+            _UNSTARTED.discard(self)
+            try:
+                self.runtimes[2], self.pending = later()
+            except Exception as error:  # noqa: BLE001 - Inductor failing on a graph must not fail the model
+                self._level_1_for_good(f"level 2 failed to compile ({type(error).__name__}: "
+                                       f"{first_line(error)[:200]})")
+                return
+            _PENDING.add(self.pending)
+            self.run = self._waiting
+
+    def _level_1_for_good(self, why: str) -> None:
+        self.report.fallback(FallbackKind.LEVEL,
+                             f"graph_opt_level='auto': {why}; level 1 serves graph {self.record['graph']}")
+        self.record.update(level=1, seconds={}, reason=why)
+        if 2 in self.runtimes:
+            self.released(self.runtimes[2])
+        self.run, self.runtimes = self.runtimes[1], {}
+
     def _waiting(self, *args: Any) -> Any:
         """Level 1 while level 2's code is on its way; then the choice, or level 1 for good
         where the child's compile failed."""
@@ -86,12 +131,7 @@ class LevelChoice:
         if error is None:
             self.run = self._first
             return self._first(*args)
-        why = f"level 2 failed to compile in the background ({error[:200]})"
-        self.report.fallback(FallbackKind.LEVEL,
-                             f"graph_opt_level='auto': {why}; level 1 serves graph {self.record['graph']}")
-        self.record.update(level=1, seconds={}, reason=why)
-        self.released(self.runtimes[2])
-        self.run, self.runtimes = self.runtimes[1], {}
+        self._level_1_for_good(f"level 2 failed to compile in the background ({error[:200]})")
         return self.run(*args)
 
     def _first(self, *args: Any) -> Any:
@@ -154,36 +194,41 @@ def choose(compile_at: Callable[[int], Callable], eager: Callable, stateful: lis
     """One graph compiled at each level (`compile_at(level)`), as a LevelChoice. Level 1
     must compile (every graph gets it without "auto"); a level 2 that fails to compile
     leaves level 1 serving, and says why. With `in_background` (background_compile's
-    context), level 2's code is generated in a child process and level 1 serves until it
-    arrives. `released`: LevelChoice's."""
-    if in_background is not None:
-        background.start_child()  # it imports torch while level 1 compiles
-    runtimes = {1: compile_at(1)}
-    pending = background.BackgroundCompile() if in_background is not None else None
-    if pending is not None:
-        _PENDING.add(pending)
-    try:
-        with contextlib.ExitStack() as stack:
-            if pending is not None:
-                stack.enter_context(in_background())
-                stack.enter_context(background.in_child(pending))
+    context), level 2 starts at the graph's second call and its code is generated in a
+    child process; level 1 serves until it arrives. `released`: LevelChoice's."""
+    if in_background is None:
+        runtimes = {1: compile_at(1)}
+        try:
             runtimes[2] = compile_at(2)
-        for why in pending.in_foreground if pending is not None else ():
+        except Exception as error:  # noqa: BLE001 - Inductor failing on a graph must not fail the model
+            why = f"level 2 failed to compile ({type(error).__name__}: {first_line(error)[:200]})"
+            report.fallback(FallbackKind.LEVEL,
+                            f"graph_opt_level='auto': {why}; level 1 serves graph {record['graph']}")
+            record.update(level=1, seconds={}, reason=why)
+            return runtimes[1]
+        return LevelChoice(runtimes, eager, stateful, record, report, chosen, bound=bound, released=released)
+
+    def in_child() -> tuple[Callable, background.BackgroundCompile]:
+        pending = background.BackgroundCompile()
+        with in_background(), background.in_child(pending):
+            runtime = compile_at(2)
+        for why in pending.in_foreground:
             report.fallback(FallbackKind.IN_FOREGROUND, f"graph_opt_level='auto': level 2 of graph {record['graph']} "
-                            f"compiled during its first call, not in a child process ({why})")
-    except Exception as error:  # noqa: BLE001 - Inductor failing on a graph must not fail the model
-        why = f"level 2 failed to compile ({type(error).__name__}: {first_line(error)[:200]})"
-        report.fallback(FallbackKind.LEVEL, f"graph_opt_level='auto': {why}; level 1 serves graph {record['graph']}")
-        record.update(level=1, seconds={}, reason=why)
-        return runtimes[1]
-    return LevelChoice(runtimes, eager, stateful, record, report, chosen, pending=pending, bound=bound,
-                       released=released)
+                            f"compiled during a call, not in a child process ({why})")
+        return runtime, pending
+
+    background.start_child()  # it imports torch while level 1 compiles
+    return LevelChoice({1: compile_at(1)}, eager, stateful, record, report, chosen, bound=bound, released=released,
+                       later=in_child)
 
 
 def wait_for_background(timeout: float | None = None) -> bool:
-    """Block until every level 2 compiling in the background in this process has its code
-    (or has failed), or `timeout` seconds; whether they all have. Each graph's next call
-    then makes its choice (a benchmark waits here so that it times the chosen level)."""
+    """Start every level 2 still waiting for its graph's second call, then block until each
+    level 2 compiling in the background in this process has its code (or has failed), or
+    `timeout` seconds; whether they all have. Each graph's next call then makes its choice
+    (a benchmark waits here so that it times the chosen level)."""
+    for choice in list(_UNSTARTED):
+        choice.start_level_2()
     return all(pending.wait(timeout) for pending in list(_PENDING))
 
 
