@@ -125,8 +125,7 @@ def contenders(device: str) -> list[Contender]:
                            trusted=True))
     found.append(Contender("L1+engines+inputs", "graphopt L1 + engines, guards on inputs", "graphopt", 1,
                            frozen=True, engines=True, trusted=True))
-    # Level 2's defaults with freeze_parameters: the GEMMs on packed weights where they win; at level
-    # "auto", level 1 serves from the first call and level 2 compiles after it.
+    # Level 2's defaults with freeze_parameters (GEMMs on packed weights where they win); at "auto" after level 1.
     found.append(Contender("L2+frozen", "graphopt L2 frozen", "graphopt", 2, frozen=True))
     found.append(Contender("auto+frozen", f"graphopt auto frozen + {graphs}", "graphopt", "auto", True, frozen=True))
     # Fewer bytes or cheaper math, where the user accepts the error the table shows beside them.
