@@ -261,8 +261,8 @@ CHILD = textwrap.dedent('''
     torch.manual_seed(0)
     decoder = Decoder(DecoderConfig.tiny()).eval()
     prompts = torch.randint(500, (3, 6), generator=torch.Generator().manual_seed(0))
-    cfg = graphopt.GraphOptimizationConfig(graph_opt_level=1, cache_dir=sys.argv[1], use_cudagraph=False,
-                                           freeze_parameters=True)
+    cfg = graphopt.GraphOptimizationConfig(graph_opt_level=int(sys.argv[2]), cache_dir=sys.argv[1],
+                                           use_cudagraph=False, freeze_parameters=True)
     step = graphopt.optimize(decoder, cfg, pad_values={"slots": decoder.scratch_slot})
     print("ready", flush=True)  # imported: the test's own start begins with this one's compile
     tokens = generate(decoder, prompts, 6, step=step)
@@ -272,16 +272,17 @@ CHILD = textwrap.dedent('''
 ''')
 
 
-def test_two_processes_starting_at_once_on_one_cache(decoder, tmp_path):
+@pytest.mark.parametrize("level", [1, 2])
+def test_two_processes_starting_at_once_on_one_cache(decoder, tmp_path, level):
     """A child process and this one compile and store the same entries at once (this
     one's start begins when the child has imported torch and is about to compile); a
-    start after them loads their entry, folded from its own weights."""
+    start after them loads their entry, folded (and at level 2 packed) from its own weights."""
     cache_dir = tmp_path / "cache"
     with open(tmp_path / "child.err", "w+") as err:
-        child = subprocess.Popen([sys.executable, "-c", CHILD, str(cache_dir)], stdout=subprocess.PIPE, stderr=err,
-                                 text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        child = subprocess.Popen([sys.executable, "-c", CHILD, str(cache_dir), str(level)], stdout=subprocess.PIPE,
+                                 stderr=err, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         ready = child.stdout.readline()
-        tokens, ours = generated(decoder, cache_dir) if ready == "ready\n" else (None, None)
+        tokens, ours = generated(decoder, cache_dir, graph_opt_level=level) if ready == "ready\n" else (None, None)
         out, _ = child.communicate(timeout=600)
         err.seek(0)
         assert child.returncode == 0 and ready == "ready\n", err.read()[-3000:]
@@ -289,7 +290,7 @@ def test_two_processes_starting_at_once_on_one_cache(decoder, tmp_path):
     expected = generate(decoder, PROMPTS, 6)
     assert theirs["same"] and theirs["rebuilt"] == 0, theirs
     assert torch.equal(tokens, expected) and ours.cache_rebuilt == 0, ours.fallbacks
-    tokens, after = generated(decoder, cache_dir)
+    tokens, after = generated(decoder, cache_dir, graph_opt_level=level)
     assert torch.equal(tokens, expected)
     assert (after.cache_hits, after.cache_rebuilt) == (1, 0), (theirs, ours.fallbacks, after.fallbacks)
 
