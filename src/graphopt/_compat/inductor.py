@@ -33,7 +33,33 @@ def inductor_compile(
         cpu_isa_checks_done()  # a hit in Inductor's caches loads code before any pass runs
     patches = dict(options)
     patches["post_grad_custom_post_pass"] = _custom_graph_pass(post_grad_pass, pass_uuid)
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    with templates_parsed_once():
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+@contextlib.contextmanager
+def templates_parsed_once() -> Iterator[None]:
+    """Inside, Inductor parses each kernel template's Jinja source once, not at every
+    render: its C++ GEMM template renders for each candidate of each GEMM and again for
+    the final code, and each render parsed and compiled its templates anew (903 parses
+    in the first level-2 compile of the ~1B decoder with frozen weights). A parsed
+    template is immutable; the cache is keyed by the source text."""
+    try:
+        from torch._inductor.codegen.common import KernelTemplate
+        parse = KernelTemplate.__dict__["_template_from_string"]
+    except (ImportError, KeyError):
+        yield
+        return
+    if not isinstance(parse, staticmethod):
+        yield
+        return
+    with mock.patch.object(KernelTemplate, "_template_from_string", staticmethod(_parsed(parse.__func__))):
+        yield
+
+
+@functools.cache
+def _parsed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    return functools.lru_cache(maxsize=256)(parse)
 
 
 def _custom_graph_pass(fn: Callable[[torch.fx.Graph], None], pass_uuid: str) -> Any:
