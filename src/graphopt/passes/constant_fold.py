@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx
@@ -68,17 +68,21 @@ def fold_constants(gm: torch.fx.GraphModule) -> PassResult:
     return PassResult(changed=folded > 0, counts={"folded": folded} if folded else {})
 
 
-def fold_node(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node | None:
+def fold_node(gm: torch.fx.GraphModule, node: torch.fx.Node,
+              compute: Callable[[], torch.Tensor] | None = None) -> torch.fx.Node | None:
     """Fold one node as fold_constants would (a buffer, a refresh recipe when it
     reads frozen parameters), for passes that create a node of constants, such as a
     layout conversion of a weight. Returns the get_attr now read instead, or None
-    when `node` does not read only constants or is over the memory bound."""
+    when `node` does not read only constants or is over the memory bound. `compute`,
+    called only where the node folds, gives its value where the pass computes it better
+    than running the node would (in the memory of a value the fold frees)."""
     frozen = gm.meta.get(FROZEN_INPUTS, {})
     recipes = gm.meta.setdefault(FOLDED_RECIPES, {})
     sources = _constants(gm, frozen)
     if node not in sources or node.op != "call_function":
         return None
-    attr = _into_buffer(gm, node, _evaluate(gm, [node], frozen).get(node), sources, recipes)
+    value = compute() if compute is not None else _evaluate(gm, [node], frozen).get(node)
+    attr = _into_buffer(gm, node, value, sources, recipes)
     _erase_unread(gm, sources)
     return attr
 

@@ -311,7 +311,13 @@ class GatedMLP(torch.nn.Module):
 
 
 @LEVEL_2
-def test_level_2_stores_the_fused_weight_as_its_gemm_reads_it_and_refreshes():
+def test_level_2_stores_the_fused_weight_as_its_gemm_reads_it_and_refreshes(monkeypatch):
+    from graphopt.passes import transposed_weights
+
+    in_place = []
+    transpose = transposed_weights._Scratch.transposed_in_place
+    monkeypatch.setattr(transposed_weights._Scratch, "transposed_in_place",
+                        lambda self, value: in_place.append(value.shape) or transpose(self, value))
     torch.manual_seed(0)
     model = GatedMLP().eval()
     opt = optimize(model, level=2)
@@ -319,6 +325,8 @@ def test_level_2_stores_the_fused_weight_as_its_gemm_reads_it_and_refreshes():
     with torch.no_grad():
         assert_same([opt(x)], [model(x)])
         assert pass_counts(opt, "store_transposed_weights") == {"stored": 1}
+        # The concatenation, read by nothing else, took its own transpose: no new memory.
+        assert in_place == [torch.Size([128, 128])]
         (gm,) = opt.graphs()
         # The GEMM reads the folded [in, out] constant itself: what Inductor's template packs and frees.
         assert not [n for n in gm.graph.nodes if n.target is aten.permute.default and n.args[0].op == "get_attr"]
