@@ -294,7 +294,7 @@ def _run_in_child(pickled: Any, env: dict[str, str]) -> tuple[Any, dict[str, str
     # The child's warnings are replayed here: what this process keeps off stderr, it does too.
     autotune.hide_inductor_storage_warning()
     # The compile in the background bypasses the caches: its GEMM timings are the child's own.
-    with autotune.gemm_choices() as gemms, autotune.timings_kept_per(None), inductor.templates_parsed_once():
+    with autotune.gemm_choices() as gemms, autotune.timings_kept_per(None), inductor.lighter_templates():
         output = _SubprocessFxCompile._run_in_child_subprocess(pickled, env)
     return output, gemms
 
