@@ -229,6 +229,24 @@ def test_with_the_cache_off_each_gemm_shape_is_timed_once_and_nothing_is_kept(tm
     assert not list((tmp_path / "inductor").rglob("*autotune*")) and not list((tmp_path / "inductor").rglob("*local*"))
 
 
+def test_a_frozen_level_2_graph_that_cannot_be_stored_still_serves_and_says_why(tmp_path, monkeypatch):
+    from graphopt.backend import graph_cache
+
+    def refused(graph, inputs):
+        raise ValueError("its frozen input w is not one of the graph's inputs")
+
+    monkeypatch.setattr(graph_cache, "frozen_entry", refused)
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(GatedLayer(), GatedLayer()).eval(), torch.randn(1, 64)
+    opt = graphopt.optimize(model, graphopt.GraphOptimizationConfig(
+        graph_opt_level=2, freeze_parameters=True, cache_dir=str(tmp_path), use_cudagraph=False))
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x), **dict(zip(("atol", "rtol"), tolerance(torch.float32))))
+    [why] = opt.report().reasons(FallbackKind.CACHE_NOT_STORED)
+    assert "a frozen graph could not be stored (its frozen input w is not one of the graph's inputs)" in why
+    assert not entries(tmp_path)
+
+
 def test_level_2_a_constant_without_a_recipe_keys_the_entry_on_the_weights(tmp_path, monkeypatch):
     """Where Inductor made a constant graphopt cannot trace back to the weights, the
     entry holds it by value under a key of the weights' values: the same weights load

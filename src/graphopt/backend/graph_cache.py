@@ -149,11 +149,11 @@ class BackendCache:
         Where a constant is kept by value, the entry goes under the key of the weights'
         values (`weight_key()`), and `key` says so; `weight_key` is None where `key`
         already is that key."""
+        frozen = records.pop("frozen")
+        if isinstance(frozen, str):
+            return self._not_stored(frozen)
         try:
             specs, keyed_on_weights = frozen_code.constant_specs(recorded, graph)
-            frozen = records.pop("frozen")
-            if isinstance(frozen, ValueError):
-                raise frozen
             code = trace_graph.bundled_inductor(compiled)
             if code is None:
                 raise ValueError("AOTAutograd kept no serializable entry for its code")
@@ -167,14 +167,14 @@ class BackendCache:
         return self.disk.store_compile(key, entry, None)
 
     @staticmethod
-    def frozen_entry(graph: torch.fx.GraphModule, inputs: list) -> dict | ValueError:
-        """`frozen_entry`, or why a frozen graph cannot be stored."""
+    def frozen_entry(graph: torch.fx.GraphModule, inputs: list) -> dict | str:
+        """`frozen_entry`, taken before lowering; or why a frozen graph cannot be stored."""
         try:
             return frozen_entry(graph, inputs)
         except ValueError as error:
-            return error
+            return str(error)
 
-    def _not_stored(self, error: ValueError) -> None:
+    def _not_stored(self, error: ValueError | str) -> None:
         self.report.cache_misses += 1
         self.report.fallback(FallbackKind.CACHE_NOT_STORED,
                              f"cache_dir: a frozen graph could not be stored ({error}); it is compiled "
