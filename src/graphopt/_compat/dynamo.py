@@ -10,6 +10,7 @@ this file only.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 from typing import Any, Callable, Sequence
@@ -64,8 +65,6 @@ def later_in_this_compile() -> Callable[[], Any]:
     (fake mode and shape environment: without them the compile specialises the graph's
     symbolic sizes to its example inputs') and the grad and inference modes (a later call
     outside `torch.no_grad()` would have AOTAutograd trace a backward graph)."""
-    import contextlib
-
     from torch._guards import TracingContext, tracing
 
     context, grad, inference = TracingContext.try_get(), torch.is_grad_enabled(), torch.is_inference_mode_enabled()

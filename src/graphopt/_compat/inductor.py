@@ -52,25 +52,21 @@ def weights_blocked_without_empty_pad() -> Iterator[None]:
     padding without padding it first: `F.pad(W, (0, 0))` is a copy of the whole weight,
     into new memory, before the blocking copies it again (2.5 GB more on the ~1B
     decoder). The blocked values are the same."""
-    try:
+    def gemm_template() -> type:
         from torch._inductor import compile_fx  # noqa: F401 - the template's module imports only after it
         from torch._inductor.codegen.cpp_gemm_template import CppGemmTemplate
-        block = CppGemmTemplate.__dict__["block_weight"]
-    except (ImportError, KeyError):
-        yield
-        return
-    if not isinstance(block, classmethod):
-        yield
-        return
+        return CppGemmTemplate
 
-    def block_weight(cls: type, W: Any, new_size: Sequence[int], padding: int) -> Any:
-        if padding != 0 or not isinstance(W, torch.Tensor):
-            return block.__func__(cls, W, new_size, padding)
-        blocked = list(new_size)
-        blocked[-2], blocked[-3] = blocked[-3], blocked[-2]
-        return W.reshape(*blocked).transpose(-3, -2).contiguous()
+    def without_empty_pad(block: Callable) -> Callable:
+        def block_weight(cls: type, W: Any, new_size: Sequence[int], padding: int) -> Any:
+            if padding != 0 or not isinstance(W, torch.Tensor):
+                return block(cls, W, new_size, padding)
+            blocked = list(new_size)
+            blocked[-2], blocked[-3] = blocked[-3], blocked[-2]
+            return W.reshape(*blocked).transpose(-3, -2).contiguous()
+        return block_weight
 
-    with mock.patch.object(CppGemmTemplate, "block_weight", classmethod(block_weight)):
+    with _replaced(gemm_template, "block_weight", classmethod, without_empty_pad):
         yield
 
 
@@ -81,22 +77,35 @@ def templates_parsed_once() -> Iterator[None]:
     the final code, and each render parsed and compiled its templates anew (903 parses
     in the first level-2 compile of the ~1B decoder with frozen weights). A parsed
     template is immutable; the cache is keyed by the source text."""
-    try:
+    def kernel_template() -> type:
         from torch._inductor.codegen.common import KernelTemplate
-        parse = KernelTemplate.__dict__["_template_from_string"]
-    except (ImportError, KeyError):
-        yield
-        return
-    if not isinstance(parse, staticmethod):
-        yield
-        return
-    with mock.patch.object(KernelTemplate, "_template_from_string", staticmethod(_parsed(parse.__func__))):
+        return KernelTemplate
+
+    with _replaced(kernel_template, "_template_from_string", staticmethod, _parsed):
         yield
 
 
 @functools.cache
 def _parsed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return functools.lru_cache(maxsize=256)(parse)
+
+
+@contextlib.contextmanager
+def _replaced(owner: Callable[[], type], name: str, kind: type, replacement: Callable[[Callable], Callable]
+              ) -> Iterator[None]:
+    """Inside, the `kind` (staticmethod or classmethod) `name` of the class `owner()` is
+    `replacement` of its function; left as it is where this torch has no such method."""
+    try:
+        cls = owner()
+        method = cls.__dict__[name]
+    except (ImportError, KeyError):
+        yield
+        return
+    if not isinstance(method, kind):
+        yield
+        return
+    with mock.patch.object(cls, name, kind(replacement(method.__func__))):
+        yield
 
 
 def _custom_graph_pass(fn: Callable[[torch.fx.Graph], None], pass_uuid: str) -> Any:
