@@ -108,16 +108,13 @@ class LevelChoice:
             try:
                 self.runtimes[2], self.pending = later()
             except Exception as error:  # noqa: BLE001 - Inductor failing on a graph must not fail the model
-                self._level_1_for_good(f"level 2 failed to compile ({type(error).__name__}: "
-                                       f"{first_line(error)[:200]})")
+                self._level_1_for_good(_failed_to_compile(error))
                 return
             _PENDING.add(self.pending)
             self.run = self._waiting
 
     def _level_1_for_good(self, why: str) -> None:
-        self.report.fallback(FallbackKind.LEVEL,
-                             f"graph_opt_level='auto': {why}; level 1 serves graph {self.record['graph']}")
-        self.record.update(level=1, seconds={}, reason=why)
+        _level_1_serves(self.report, self.record, why)
         if 2 in self.runtimes:
             self.released(self.runtimes[2])
         self.run, self.runtimes = self.runtimes[1], {}
@@ -201,10 +198,7 @@ def choose(compile_at: Callable[[int], Callable], eager: Callable, stateful: lis
         try:
             runtimes[2] = compile_at(2)
         except Exception as error:  # noqa: BLE001 - Inductor failing on a graph must not fail the model
-            why = f"level 2 failed to compile ({type(error).__name__}: {first_line(error)[:200]})"
-            report.fallback(FallbackKind.LEVEL,
-                            f"graph_opt_level='auto': {why}; level 1 serves graph {record['graph']}")
-            record.update(level=1, seconds={}, reason=why)
+            _level_1_serves(report, record, _failed_to_compile(error))
             return runtimes[1]
         return LevelChoice(runtimes, eager, stateful, record, report, chosen, bound=bound, released=released)
 
@@ -220,6 +214,16 @@ def choose(compile_at: Callable[[int], Callable], eager: Callable, stateful: lis
     background.start_child()  # it imports torch while level 1 compiles
     return LevelChoice({1: compile_at(1)}, eager, stateful, record, report, chosen, bound=bound, released=released,
                        later=in_child)
+
+
+def _failed_to_compile(error: Exception) -> str:
+    return f"level 2 failed to compile ({type(error).__name__}: {first_line(error)[:200]})"
+
+
+def _level_1_serves(report: Report, record: dict[str, Any], why: str) -> None:
+    """Level 1 serves the graph of `record` for good, and the report says why."""
+    report.fallback(FallbackKind.LEVEL, f"graph_opt_level='auto': {why}; level 1 serves graph {record['graph']}")
+    record.update(level=1, seconds={}, reason=why)
 
 
 def wait_for_background(timeout: float | None = None) -> bool:

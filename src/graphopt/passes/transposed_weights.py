@@ -64,7 +64,7 @@ class _Scratch:
     def transposed_in_place(self, value: torch.Tensor) -> torch.Tensor:
         """`value`'s transpose, contiguous, in `value`'s own memory (its old contents are gone)."""
         if self.buffer is None or self.buffer.numel() < value.numel() or self.buffer.dtype != value.dtype:
-            self.buffer = None
+            self.buffer = None  # the smaller one goes before the larger one is taken
             self.buffer = torch.empty(value.numel(), dtype=value.dtype)
         rows, cols = value.shape
         with fake.outside_fake_mode(), torch.inference_mode(False), torch.no_grad():
