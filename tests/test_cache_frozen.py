@@ -22,7 +22,8 @@ from support import cache_entries as entries
 
 import graphopt
 from graphopt import FallbackKind, cache, cache_transfer
-from graphopt.backend import frozen_code
+from graphopt._compat import inductor
+from graphopt.backend import frozen_code, inductor_options
 from graphopt.cli import main as cli
 from graphopt.config import tolerance
 from graphopt.models import Decoder, DecoderConfig, generate
@@ -173,6 +174,26 @@ def test_level_2_frozen_entry_holds_the_code_without_the_weights(tmp_path, monke
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-of-another-machine"))
     tokens, moved = generated(decoder, imported, graph_opt_level=2)
     assert torch.equal(tokens, generate(decoder, PROMPTS, 6)) and (moved.cache_hits, moved.cache_misses) == (1, 0)
+
+
+def test_a_graph_past_the_cpp_wrapper_bound_is_stored_and_loaded_with_the_python_wrapper(tmp_path, monkeypatch):
+    """A graph reading more weights than CPP_WRAPPER_MAX_WEIGHT_BYTES is compiled with
+    Inductor's Python wrapper (below it, the C++ one); its frozen entry loads the same way."""
+    decoder = level_2_decoder(monkeypatch, tmp_path)
+    weights = sum(p.numel() * p.element_size() for p in decoder.parameters())
+    wrappers = []
+    compile_ = inductor.inductor_compile
+    monkeypatch.setattr(inductor, "inductor_compile", lambda gm, inputs, post, uuid, options:
+                        wrappers.append(options.get("cpp_wrapper", False)) or compile_(gm, inputs, post, uuid, options))
+    expected = generate(decoder, PROMPTS, 6)
+    for bound, cpp_wrapper in ((weights + 1, True), (weights, False)):
+        monkeypatch.setattr(inductor_options, "CPP_WRAPPER_MAX_WEIGHT_BYTES", bound)
+        cache_dir, wrappers[:] = tmp_path / f"graphopt-{bound}", []
+        tokens, first = generated(decoder, cache_dir, graph_opt_level=2)
+        tokens_again, second = generated(decoder, cache_dir, graph_opt_level=2)
+        assert wrappers == [cpp_wrapper]  # one compile, at the first start
+        assert torch.equal(tokens, expected) and torch.equal(tokens_again, expected)
+        assert (first.cache_misses, second.cache_hits, second.cache_misses) == (1, 1, 0), second.fallbacks
 
 
 def test_gemm_timings_are_kept_per_cpu_model():

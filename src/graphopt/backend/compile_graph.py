@@ -135,8 +135,11 @@ class GraphCompiler:
 
         autotune.hide_inductor_storage_warning()
         autotune.hide_cuda_home_warning()
+        # Parameters only: a buffer may be a KV cache, of which a step reads a part.
+        weight_bytes = sum(x.nbytes for x, kind in zip(real_inputs, kinds)
+                           if kind == "parameter" and isinstance(x, torch.Tensor))
         options = {**inductor_options(device_type(real_inputs), cached=key is not None,
-                                      frozen=self.config.freeze_parameters),
+                                      frozen=self.config.freeze_parameters, weight_bytes=weight_bytes),
                    **self.config.inductor_compile_config}
         compiled = self._load_frozen(entry, record, real_inputs, kinds) if frozen and entry is not None else None
         if compiled is None:

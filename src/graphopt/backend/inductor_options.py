@@ -7,9 +7,15 @@ from typing import Any
 
 from .._compat import autotune, distributed
 
+# Below this many bytes of parameters a graph's step is short enough for the Python wrapper's
+# overhead to show (DecoderConfig.small, 15 MiB: 9% at batch 1); from 52 MiB up the two
+# wrappers' steps are level, and the C++ one costs 10 s more to build (docs/configuration.md).
+CPP_WRAPPER_MAX_WEIGHT_BYTES = 32 * 2**20
 
-def inductor_options(device_type: str, cached: bool, frozen: bool = False) -> dict[str, Any]:
-    """The Inductor settings graphopt uses at level 2 (measured: docs/configuration.md)."""
+
+def inductor_options(device_type: str, cached: bool, frozen: bool = False, weight_bytes: int = 0) -> dict[str, Any]:
+    """The Inductor settings graphopt uses at level 2 for a graph whose
+    parameters take `weight_bytes` (measured: docs/configuration.md)."""
     options: dict[str, Any] = {
         # Without graphopt's cache a hit in Inductor's would skip the passes and leave
         # the report without them; with it, graphopt's cache holds their records.
@@ -22,7 +28,8 @@ def inductor_options(device_type: str, cached: bool, frozen: bool = False) -> di
         # timings are kept in Inductor's local cache, in the compile cache's directory or, with
         # that off, for this process only (autotune.timings_kept_per; docs/configuration.md).
         options.update(max_autotune_gemm=True, max_autotune_gemm_backends="CPP,ATEN", autotune_local_cache=True)
-    if device_type == "cpu" and not distributed.distributed_initialized():
+    if device_type == "cpu" and weight_bytes < CPP_WRAPPER_MAX_WEIGHT_BYTES and \
+            not distributed.distributed_initialized():
         # A C++ wrapper instead of a Python one: a small decode step runs faster, for a
         # longer compile (docs/configuration.md, "Measured: Inductor settings on the CPU").
         # It cannot call c10d's collectives, so a process with a process group goes without.
