@@ -81,7 +81,7 @@ def graph_state(gm: torch.fx.GraphModule) -> tuple:
     node with its name, op, target, arguments and meta entries (the values by identity).
     A pass that leaves the state as it was (most steps of a pipeline) needs no copy,
     lint or recompile after it."""
-    return gm.graph, tuple((n, n.name, n.op, n.target, n.args, n.kwargs, tuple((k, id(v)) for k, v in n.meta.items()))
+    return gm.graph, tuple((n, n.name, n.op, n.target, n.args, n.kwargs, tuple(n.meta), tuple(map(id, n.meta.values())))
                            for n in gm.graph.nodes)
 
 

@@ -172,8 +172,8 @@ def _constants(gm: torch.fx.GraphModule, frozen: dict) -> dict[torch.fx.Node, fr
             sources[node] = frozenset([node])
         elif node.op == "get_attr" and isinstance(_attr(gm, node.target), torch.Tensor):
             sources[node] = frozenset([node])
-        elif node.op == "call_function" and _foldable_op(node) \
-                and all(i in sources for i in node.all_input_nodes):
+        elif node.op == "call_function" and all(i in sources for i in node.all_input_nodes) \
+                and _foldable_op(node):  # the cheap test first: most nodes read a non-constant
             reads = frozenset().union(*(sources[i] for i in node.all_input_nodes))
             size = _numel_bytes(node)
             bound = max(sum(_numel_bytes(r) or 0 for r in reads), MIN_BOUND_BYTES)
