@@ -11,7 +11,7 @@ from rich.console import Console
 
 from graphopt.bench import llm, output
 from graphopt.bench.contenders import Unavailable, build, contenders
-from graphopt.bench.startup import measure_startup
+from graphopt.bench.startup import WEIGHTS_FILE, measure_startup
 from graphopt.bench.suite import Options, run
 from graphopt.bench.workloads import LARGE, Sizes
 from graphopt.cli.main import _workloads
@@ -137,6 +137,25 @@ def test_startup_of_the_decoder_gives_the_first_tokens_time_cold_and_warm():
     table = output.startup_cells({"eager": found, "graphopt L2 frozen": {"error": "exit 1: boom"}}, "cpu")
     assert table.headers[-2:] == ["first token, cold", "first token, warm"]
     assert table.rows[1] == ["graphopt L2 frozen", "failed [1]", "", "", "", ""]
+
+
+def test_a_start_loads_the_weights_the_first_wrote_and_decodes_the_same(tmp_path, monkeypatch):
+    """With WEIGHTS_FILE named (as measure_startup does), the first build writes its random
+    weights and buffers there; a later one loads them, memory-mapped, and decodes alike."""
+    monkeypatch.setenv(WEIGHTS_FILE, str(tmp_path / "weights.pt"))
+    built = llm.decoder_1b(QUICK)
+    assert (tmp_path / "weights.pt").exists()
+    normal_ = torch.Tensor.normal_
+    monkeypatch.setattr(torch.Tensor, "normal_", lambda t, *a, **k: normal_(t, *a, **k) if t.is_meta
+                        else pytest.fail("a loaded model draws no weights"))
+    loaded = llm.decoder_1b(QUICK)
+    theirs, ours = dict(built.model.named_parameters()), dict(loaded.model.named_parameters())
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
+    assert all(isinstance(p, torch.nn.Parameter) for p in ours.values())
+    assert all(b.device.type == "cpu" for b in loaded.model.buffers())  # none left on the meta device
+    with torch.no_grad():
+        for case, again in zip(built.cases, loaded.cases):
+            assert torch.equal(case.runner(built.model)()[0], again.runner(loaded.model)()[0])
 
 
 @pytest.mark.slow

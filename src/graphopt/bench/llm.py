@@ -19,6 +19,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import itertools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from ..models import Decoder, DecoderConfig
+from .startup import WEIGHTS_FILE
 from .workloads import Case, Sizes, Step, Workload, _manual_seed
 
 # Each weight format's bytes per linear weight, and per output channel (int8's scale) or per
@@ -47,8 +50,7 @@ def decoder_1b(sizes: Sizes) -> Workload:
     new_tokens = sizes.pick(4, 32, 32)
     fields = dict(max_num_seqs=max(batches), max_seq_len=new_tokens, dtype=sizes.dtype)
     config = DecoderConfig.tiny(**fields) if sizes.quick else DecoderConfig.billion(**fields)
-    with torch.device(sizes.device):
-        model = Decoder(config).eval()
+    model = _decoder(config, sizes.device)
     linears = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
     cases = []
     for batch in batches:
@@ -66,6 +68,28 @@ def decoder_1b(sizes: Sizes) -> Workload:
                     contenders=CONTENDERS,
                     onnx_unsupported="its step writes the KV cache buffers in place, and an exported "
                                      "ONNX graph keeps no state between runs")
+
+
+def _decoder(config: DecoderConfig, device: str) -> Decoder:
+    """The model with random weights or, where WEIGHTS_FILE names a file, with the weights
+    in it (memory-mapped, as a server loads its checkpoint; start-up measurements do, not
+    to time drawing 1.1B random numbers, twice each: 6 s); a named file not there yet is
+    written with the random ones."""
+    path = os.environ.get(WEIGHTS_FILE)
+    if not path or not os.path.exists(path):
+        with torch.device(device):
+            model = Decoder(config).eval()
+        if path:
+            torch.save(dict(itertools.chain(model.named_parameters(), model.named_buffers())), path)
+        return model
+    with torch.device("meta"):
+        model = Decoder(config).eval()
+    saved = torch.load(path, map_location=device, mmap=True, weights_only=True)
+    model.load_state_dict({name: saved.pop(name) for name in model.state_dict()}, assign=True)
+    for name, value in saved.items():  # the buffers a state dict leaves out: the KV cache, the frequencies
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner).register_buffer(leaf, value, persistent=False)
+    return model
 
 
 def decode(model: Decoder, inputs: tuple[torch.Tensor, int]) -> tuple[torch.Tensor, torch.Tensor]:
