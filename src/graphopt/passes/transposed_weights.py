@@ -63,11 +63,13 @@ class _Scratch:
 
     def transposed_in_place(self, value: torch.Tensor) -> torch.Tensor:
         """`value`'s transpose, contiguous, in `value`'s own memory (its old contents are gone)."""
-        if self.buffer is None or self.buffer.numel() < value.numel() or self.buffer.dtype != value.dtype:
-            self.buffer = None  # the smaller one goes before the larger one is taken
-            self.buffer = torch.empty(value.numel(), dtype=value.dtype)
         rows, cols = value.shape
+        # Outside inference mode, as folding computes `value`: a buffer made under the
+        # caller's inference mode would refuse the in-place copy below.
         with fake.outside_fake_mode(), torch.inference_mode(False), torch.no_grad():
+            if self.buffer is None or self.buffer.numel() < value.numel() or self.buffer.dtype != value.dtype:
+                self.buffer = None  # the smaller one goes before the larger one is taken
+                self.buffer = torch.empty(value.numel(), dtype=value.dtype)
             through = self.buffer[:value.numel()].view(cols, rows)
             through.copy_(value.t())
             value.view(-1).copy_(through.view(-1))
