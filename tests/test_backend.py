@@ -283,3 +283,36 @@ def test_a_level_2_compile_with_autotuned_gemms_prints_nothing(level_2_process):
     done, _ = level_2_process
     assert done.returncode == 0, done.stderr[-3000:]
     assert (done.stdout, done.stderr) == ("", "")
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_compile_runs_with_fewer_collections_and_puts_the_collector_back(monkeypatch, fails):
+    """Inside a compile the collector's thresholds are COMPILE_GC_THRESHOLDS and the objects
+    made before are frozen; after it, failed or not, both are as they were."""
+    import gc
+
+    from graphopt.backend import compile_graph
+
+    seen = []
+    level1 = compile_graph.GraphCompiler._level1
+
+    def spy(self, *args):
+        seen.append((gc.get_threshold(), gc.get_freeze_count() > 0))
+        if fails:
+            raise RuntimeError("the compile failed")
+        return level1(self, *args)
+
+    monkeypatch.setattr(compile_graph.GraphCompiler, "_level1", spy)
+    before = gc.get_threshold()
+    model = torch.nn.Linear(4, 4).eval()
+    opt = graphopt.optimize(model, graphopt.GraphOptimizationConfig(graph_opt_level=1, use_cudagraph=False,
+                                                                     cache_dir=None))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        if fails:
+            with pytest.raises(Exception, match="the compile failed"):
+                opt(x)
+        else:
+            torch.testing.assert_close(opt(x), model(x))
+    assert seen and seen[0] == (compile_graph.COMPILE_GC_THRESHOLDS, True)
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
