@@ -38,7 +38,7 @@ from .._compat import guard_sources, trace_graph
 from .._compat import recompile as compat_recompile
 from .._compat import traces as dynamo_traces
 from ..backend.backend import Backend
-from ..backend.compile_graph import records_autograd
+from ..backend.compile_graph import collected_less, records_autograd
 from ..report import FallbackKind
 from .identity import constant_identity, identity, is_constant, qualified, recognised
 
@@ -206,7 +206,8 @@ class StoredTraces:
             return _keep_guards(entries, objects, problems)
 
         try:
-            traced = dynamo_traces.trace(self.function, full, kwargs, self.backend.compile_for_trace, keep)
+            with collected_less():
+                traced = dynamo_traces.trace(self.function, full, kwargs, self.backend.compile_for_trace, keep)
         except Exception as error:  # noqa: BLE001 - a graph break, a guard torch cannot store: Dynamo runs it
             if guarded:
                 self._unstorable(_why(error))

@@ -43,18 +43,19 @@ class Compiled:
 
 
 # A compile makes millions of short-lived objects. With Python's default thresholds, the
-# collections they set off took 1.6 s of the ~1B decoder's level-2 first call, walking the
-# model's and torch's objects as well; 1.05 s with these (2026-12-06, docs/compile-cache.md).
+# collections they set off took 1.2-1.6 s of the ~1B decoder's level-2 first call, walking
+# the model's and torch's objects as well; 0.7 s with these (2026-12-06, docs/compile-cache.md).
 COMPILE_GC_THRESHOLDS = (50_000, 20, 20)
 _open_compiles = 0
 _thresholds_before: tuple[int, int, int] | None = None
 
 
 @contextlib.contextmanager
-def _collected_less() -> Iterator[None]:
+def collected_less() -> Iterator[None]:
     """Within, the garbage collector runs less often (COMPILE_GC_THRESHOLDS) and leaves
-    alone the objects made before (`gc.freeze`). The outermost compile sets both and puts
-    them back, when it fails too."""
+    alone the objects made before (`gc.freeze`): around each graph's compile, and around
+    Dynamo's trace where graphopt calls it (api/traces.py). The outermost sets both and
+    puts them back, when it fails too."""
     global _open_compiles, _thresholds_before
     _open_compiles += 1
     if _open_compiles == 1:
@@ -92,7 +93,7 @@ class GraphCompiler:
         real_inputs = _aot_args(gm, [shapes.concrete(x) for x in example_inputs])
         kinds = ["parameter"] * (len(real_inputs) - len(example_inputs)) + dynamo.input_kinds(gm)
         start = time.perf_counter()
-        with _collected_less():
+        with collected_less():
             if level == 1:
                 compiled = self._level1(gm, example_inputs, record, real_inputs, kinds, key)
             else:
