@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -46,6 +47,7 @@ class Compiled:
 # collections they set off took 1.2-1.6 s of the ~1B decoder's level-2 first call, walking
 # the model's and torch's objects as well; 0.7 s with these (2026-12-06, docs/compile-cache.md).
 COMPILE_GC_THRESHOLDS = (50_000, 20, 20)
+_collector_lock = threading.Lock()
 _open_compiles = 0
 _thresholds_before: tuple[int, int, int] | None = None
 
@@ -57,18 +59,20 @@ def collected_less() -> Iterator[None]:
     Dynamo's trace where graphopt calls it (api/traces.py). The outermost sets both and
     puts them back, when it fails too."""
     global _open_compiles, _thresholds_before
-    _open_compiles += 1
-    if _open_compiles == 1:
-        _thresholds_before = gc.get_threshold()
-        gc.freeze()
-        gc.set_threshold(*COMPILE_GC_THRESHOLDS)
+    with _collector_lock:  # compiles on two threads share one collector
+        _open_compiles += 1
+        if _open_compiles == 1:
+            _thresholds_before = gc.get_threshold()
+            gc.freeze()
+            gc.set_threshold(*COMPILE_GC_THRESHOLDS)
     try:
         yield
     finally:
-        _open_compiles -= 1
-        if _open_compiles == 0:
-            gc.unfreeze()
-            gc.set_threshold(*_thresholds_before)
+        with _collector_lock:
+            _open_compiles -= 1
+            if _open_compiles == 0:
+                gc.unfreeze()
+                gc.set_threshold(*_thresholds_before)
 
 
 class GraphCompiler:
