@@ -33,25 +33,27 @@ def frozen_auto(**fields):
     return model, graphopt.optimize(model, config)
 
 
-def assert_eager(optimized, model, x):
+def assert_eager(optimized, model, x, mode=torch.no_grad):
     atol, rtol = tolerance(torch.float32)
-    with torch.no_grad():
+    with mode():
         torch.testing.assert_close(optimized(x), model(x), atol=atol, rtol=rtol)
 
 
-def test_a_frozen_graph_serves_level_1_while_level_2_compiles_in_a_child_then_refreshes(monkeypatch):
+# Serving engines call under either; level 2 compiles later, in the mode of the first call.
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_frozen_graph_serves_level_1_while_level_2_compiles_in_a_child_then_refreshes(monkeypatch, mode):
     monkeypatch.setattr(tiers, "MARGIN", 1e6)  # level 2 wins the timing whatever the clock says
     inductor_dir = pathlib.Path(cache_dir())
     throwaway = set(inductor_dir.glob("tmp*"))  # what Inductor's force_disable_caches leaves behind
     model, optimized = frozen_auto()
     x = torch.randn(4, 32)
-    assert_eager(optimized, model, x)  # level 1's result; level 2 starts at the next call
+    assert_eager(optimized, model, x, mode)  # level 1's result; level 2 starts at the next call
     report = optimized.report()
     [choice] = report.level_choices
     assert "level" not in choice and len(report.graphs) == 1  # the first call compiled level 1 alone
     assert graphopt.wait_for_background(timeout=600)  # starts level 2, then waits for the child
     assert report.graphs[1].fused_ops.get("horizontal_linear") == 1, str(report)  # folded here, sent to the child
-    assert_eager(optimized, model, x)  # the choice: each level checked against eager, then timed
+    assert_eager(optimized, model, x, mode)  # the choice: each level checked against eager, then timed
     assert choice["level"] == 2 and set(choice["seconds"]) == {"1", "2"}, choice
     gemms = report.graphs[1].gemms  # timed in the child, reported here
     assert gemms and all(v.split(" ")[0] in ("ATen", "C++") and " us" in v for v in gemms.values()), gemms
@@ -60,12 +62,12 @@ def test_a_frozen_graph_serves_level_1_while_level_2_compiles_in_a_child_then_re
 
     with torch.no_grad():
         model.k.weight.mul_(2)  # noticed: level 2 compiled again from the new weights
-    assert_eager(optimized, model, x)
+    assert_eager(optimized, model, x, mode)
     assert report.repacks == 1 and report.weight_refreshes == {"updated in place: k.weight": 1}
     with torch.no_grad():
         model.q.weight.data.add_(0.5)  # not noticed: refresh() after it
     optimized.refresh()
-    assert_eager(optimized, model, x)
+    assert_eager(optimized, model, x, mode)
     assert report.repacks == 2
     assert set(inductor_dir.glob("tmp*")) == throwaway  # the child's compile and refresh()'s kept the cache
 
