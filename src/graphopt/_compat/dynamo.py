@@ -67,12 +67,25 @@ def later_in_this_compile() -> Callable[[], Any]:
     outside `torch.no_grad()` would have AOTAutograd trace a backward graph)."""
     from torch._guards import TracingContext, tracing
 
-    context, grad, inference = TracingContext.try_get(), torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+    context, modes = TracingContext.try_get(), modes_of_now()
 
     @contextlib.contextmanager
     def again() -> Any:
-        with (tracing(context) if context is not None else contextlib.nullcontext()), \
-                torch.inference_mode(inference), torch.set_grad_enabled(grad):
+        with (tracing(context) if context is not None else contextlib.nullcontext()), modes():
+            yield
+
+    return again
+
+
+def modes_of_now() -> Callable[[], Any]:
+    """A context that puts back the grad and inference modes of now, for a compile run
+    later (a deferred level 2, refresh()'s): in grad mode, AOTAutograd compiles a graph that
+    saves its inputs for backward, which inference tensors refuse."""
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    @contextlib.contextmanager
+    def again() -> Any:
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
             yield
 
     return again

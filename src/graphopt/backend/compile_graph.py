@@ -75,19 +75,6 @@ def collected_less() -> Iterator[None]:
                 gc.set_threshold(*_thresholds_before)
 
 
-def _in_modes_of_now(fn: Callable) -> Callable:
-    """`fn`, to run later (refresh()'s compile) in the grad and inference modes of now, the
-    first compile's: called with grad on, AOTAutograd would compile a graph that saves its
-    inputs for backward, which inference tensors refuse."""
-    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
-
-    def in_modes(*args: Any) -> Any:
-        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-            return fn(*args)
-
-    return in_modes
-
-
 class GraphCompiler:
     """Compiles graphs for one Backend: its config, report and cache, and the lists
     refresh() reads (the final graphs, the compiles holding Inductor's weight copies)."""
@@ -206,8 +193,12 @@ class GraphCompiler:
         renews = not optimized or any(options.get(k) for k in WEIGHT_COPYING_INDUCTOR_OPTIONS)
         if self.config.freeze_parameters and renews:
             inputs = list(example_inputs)
-            again = functools.partial(_in_modes_of_now(inductor.inductor_compile), gm, inputs, post_grad_pass,
-                                      passes, {**options, **RECOMPILE_OPTIONS})
+            modes = dynamo.modes_of_now()  # the first compile's, wherever refresh() is called from
+
+            def again() -> Callable:
+                with modes():
+                    return inductor.inductor_compile(gm, inputs, post_grad_pass, passes,
+                                                     {**options, **RECOMPILE_OPTIONS})
             compiled = Repackable(compiled, again, optimized, self.graph_modules, self.report,
                                   held=[inputs, real_inputs, *getattr(compiled, "held", [])])
             self.repackables.append(compiled)
