@@ -131,6 +131,34 @@ def test_a_changed_value_the_passes_read_compiles_again(level, kept, tmp_path, m
     assert report.fallback_counts[FallbackKind.CACHE_NOT_LOADED] >= 1
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_trace_whose_folded_value_a_pass_may_read_is_stored_and_a_change_to_it_traces_again(
+        level, tmp_path, monkeypatch):
+    """`1 + scale` is small enough that a pass may have read it (transformers' rotary
+    tables at a short prompt are too): the trace is stored all the same, and a second
+    start runs it without Dynamo. An in-place change of `scale` after that start gives
+    eager's answer: level 1 recomputes the folded value, as after a compile; level 2's
+    code may rest on the old value, so the graph's code is let go and the step traced
+    and compiled again, as a first start would."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    model, x = Scaled().eval(), torch.randn(4, 64)
+    atol, rtol = tolerance(torch.float32)
+    with torch.no_grad():
+        first = start(model, tmp_path / "graphopt", graph_opt_level=level)
+        first(x.clone())  # a tensor of its own: the first call marks its batch dim dynamic
+        step = start(model, tmp_path / "graphopt", graph_opt_level=level)
+        torch.testing.assert_close(step(x), model(x), atol=atol, rtol=rtol)
+        assert (first.report().traces_stored, step.report().traces_used) == (1, 1), step.report().fallbacks
+        model.scale.fill_(0.5)
+        out = step(x)
+        torch.testing.assert_close(out, model(x), atol=atol, rtol=rtol)
+        torch.testing.assert_close(step(x), model(x), atol=atol, rtol=rtol)
+    report = step.report()
+    refused = [reason for reason in report.fallbacks if "may have read changed" in reason]
+    assert (len(refused), report.recompiles) == ((1, 1) if level == 2 else (0, 0)), report.fallbacks
+    assert report.weight_refreshes
+
+
 def level_2_decoder(monkeypatch, tmp_path) -> Decoder:
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     torch.manual_seed(0)

@@ -4,6 +4,12 @@ output on the changed model; an unchanged model never refreshes."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import torch._dynamo
@@ -214,3 +220,38 @@ def test_a_module_built_inside_a_compiled_forward_does_not_recompile_it():
         for _ in range(3):
             torch.testing.assert_close(step(x), model(x), atol=atol, rtol=rtol)
     assert len(step.report().graphs) == 1
+
+
+START = textwrap.dedent('''
+    import json, sys, torch, graphopt
+    sys.path.insert(0, sys.argv[2])
+    from test_frozen_changes import Sliced
+    torch.manual_seed(0)
+    model = Sliced().eval()
+    step = graphopt.optimize(model, graphopt.GraphOptimizationConfig(
+        graph_opt_level=1, cache_dir=sys.argv[1], use_cudagraph=False, freeze_parameters=True))
+    same = True
+    with torch.no_grad():
+        for length in map(int, sys.argv[3:]):  # a new length: a trace of its own
+            x = torch.randn(4, length, 8)
+            same = same and torch.allclose(step(x), model(x), atol=1e-5)
+    report = step.report()
+    print(json.dumps({"same": same, "stored": report.traces_stored, "used": report.traces_used,
+                      "fallbacks": list(report.fallbacks)}))
+''')
+
+
+def test_a_forward_that_builds_a_module_loads_its_stored_trace_in_a_later_process(tmp_path):
+    """Dynamo guards on the module registration hooks where a forward builds a module.
+    The frozen watch's hooks are in place before the first trace, so every trace sees
+    the same ones: the first start's second trace, made after a graph was compiled, is
+    used by a later process that calls that length first, before it builds any graph."""
+    starts = []
+    for lengths in (["5", "7"], ["7"]):
+        done = subprocess.run([sys.executable, "-c", START, str(tmp_path), os.path.dirname(__file__), *lengths],
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        starts.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first, second = starts
+    assert first["same"] and second["same"]
+    assert (first["stored"], second["used"], second["fallbacks"]) == (2, 1, []), starts

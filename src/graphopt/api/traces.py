@@ -39,6 +39,7 @@ from .._compat import recompile as compat_recompile
 from .._compat import traces as dynamo_traces
 from ..backend.backend import Backend
 from ..backend.compile_graph import collected_less, records_autograd
+from ..backend.frozen_code import StaleCode
 from ..report import FallbackKind
 from .identity import constant_identity, identity, is_constant, qualified, recognised
 
@@ -96,18 +97,29 @@ class StoredTraces:
         if self.module is not None and dynamo_traces.has_forward_hooks(self.module):
             return MISS
         full = args if self.bound_to is None else (self.bound_to, *args)
-        trace = self._fitting(full, kwargs, ready_only=True)
+        trace = self._fitting(full, kwargs, ready_only=True) or self._found_or_traced(args, full, kwargs)
         if trace is None:
-            # Loading, building and tracing under Dynamo's compile lock: one thread
-            # at a time, as Dynamo compiles frames; a thread that waited finds what
-            # the one before it traced.
-            with dynamo_traces.compile_lock():
-                if self.traces is None:
-                    self._read()
-                trace = self._fitting(full, kwargs, ready_only=False) or self._trace(args, full, kwargs)
-            if trace is None:
-                return MISS
-        return trace.run(*full, **kwargs)
+            return MISS
+        try:
+            return trace.run(*full, **kwargs)
+        except StaleCode as stale:  # refresh() let its graph's code go: nothing of the call ran
+            trace = self._found_or_traced(args, full, kwargs, stale=(trace, str(stale)))
+            return MISS if trace is None else trace.run(*full, **kwargs)
+
+    def _found_or_traced(self, args: tuple, full: tuple, kwargs: dict,
+                         stale: tuple[_Trace, str] | None = None) -> _Trace | None:
+        """A trace that fits the call, loaded or new; `stale`: (a trace whose code was
+        let go, why), refused first."""
+        # Loading, building and tracing under Dynamo's compile lock: one thread at a
+        # time, as Dynamo compiles frames; a thread that waited finds what the one
+        # before it traced.
+        with dynamo_traces.compile_lock():
+            if self.traces is None:
+                self._read()
+            if stale is not None and stale[0].refused is None:
+                self._refuse(*stale)
+                stale[0].traced = stale[0].run = None
+            return self._fitting(full, kwargs, ready_only=False) or self._trace(args, full, kwargs)
 
     def _read(self) -> None:
         entry = self.cache.load(self.key) or {"traces": [], "unstorable": None}

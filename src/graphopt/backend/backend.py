@@ -31,7 +31,7 @@ from ..passes.base import is_collective
 from ..passes.fusion.replacement import Unkeyable
 from ..passes.manager import check_pass_names
 from ..report import FallbackKind, Report
-from . import executors, frozen_watch, recompiles, tiers
+from . import executors, frozen_code, frozen_watch, recompiles, tiers
 from .compile_graph import Compiled, GraphCompiler, records_autograd
 from .graph_cache import WEIGHT_KINDS, BackendCache, GraphSpec, NotStorable, device_type
 from .repack import Repackable
@@ -89,6 +89,8 @@ class Backend:
         # level 2 compiles in a child, and the checks' thread would slow level 1's compile.
         if self.config.graph_opt_level == 2 and not torch.cuda.is_available():
             inductor.check_cpu_isas_early()
+        if self.config.freeze_parameters:
+            frozen_watch.count_assignments()
 
     def report(self) -> Report:
         return self._report
@@ -229,9 +231,6 @@ class Backend:
         trace cannot be stored."""
         if entry.get("weight_free") is False:
             return "its compiled code holds a constant made from the weights by value"
-        if entry["frozen"]["read"]:
-            return ("a value folded from its weights is small enough that a pass may have read it, and a graph "
-                    "built from a stored trace could not be compiled again if it changed")
         if any(True for _ in gm.parameters()) or any(True for _ in gm.buffers()):
             return "its graph holds weights of its own rather than taking them as inputs"
         kinds, sources = dynamo.input_kinds(gm), dynamo.input_sources(gm)
@@ -313,13 +312,14 @@ class Backend:
             for i, source in spec.weights.items():
                 inputs[i] = guard_sources.read(guard_sources.reader(source), frame, module_globals or {})
         compiled = self.compiler.rebuild(spec, inputs)
+        loaded = compiled if isinstance(compiled, frozen_code.LoadedCode) else None
         if spec.signature:
             from . import device_graphs
 
             compiled = device_graphs.whole(compiled, spec.signature, spec.key, self._runtime_options())
         if inputs is None:
             return compiled
-        watch = frozen_watch.watch_inputs(compiled, self, inputs, spec.weights)
+        watch = frozen_watch.watch_inputs(compiled, self, inputs, spec.weights, loaded)
         self.frozen_watches.append(watch)
         return watch
 

@@ -70,16 +70,23 @@ def note_folded_storages(gm: torch.fx.GraphModule) -> None:
                                 if hasattr(gm, name) and getattr(gm, name).layout == torch.strided}
 
 
+class StaleCode(RuntimeError):
+    """Raised by the call of a graph built from a stored trace whose code refresh() let
+    go (`LoadedCode.repack`), before it runs: the step is traced and compiled again."""
+
+
 class LoadedCode:
     """A stored level-2 frozen graph's code, loaded with its constants made from this
     process's `weights` (by the names its recipes read). `remake()` (refresh()) makes
-    them again from the weights as they are now, into the same tensors: no compile."""
+    them again from the weights as they are now, into the same tensors: no compile.
+    `stale` says why the code was let go, once it has been (`repack`)."""
 
     def __init__(self, code: Callable, stored: dict, weights: dict[str, torch.Tensor],
                  constants: dict[str, torch.Tensor]):
         self.code, self.stored, self.weights, self.constants = code, stored, weights, constants
         self.held = [weights]  # what the frozen watch points at reassigned weights
         self._boxed_call = getattr(code, "_boxed_call", False)  # Dynamo's calling convention
+        self.stale: str | None = None
 
     def __call__(self, *args: Any) -> Any:
         return self.code(*args)
@@ -97,10 +104,14 @@ class LoadedCode:
         return True
 
     def repack(self) -> None:
-        """refresh() of a graph built from a stored trace, which has no graph to compile again."""
-        if not self.remake():
-            raise RuntimeError("refresh(): a value folded from the weights that a pass may have read changed, "
-                               "and this graph was built from a stored trace; optimize the model again")
+        """refresh() of a graph built from a stored trace, which has no Dynamo graph to
+        compile again: where a value a pass may have read changed, the code (and the
+        packed weights it holds) is let go, and the graph's frozen watch raises StaleCode
+        at its next call (api/traces.py traces the step again, as a first start would)."""
+        if self.stale is None and not self.remake():
+            self.stale = ("a value folded from the weights that a pass may have read changed, and its code may "
+                          "rest on the old value")
+            self.code = self.constants = None
 
 
 def make_constants(specs: dict[str, tuple], frozen: dict, weights: dict[str, torch.Tensor]) -> dict | str:

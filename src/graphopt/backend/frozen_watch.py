@@ -30,9 +30,10 @@ import torch
 from .._compat import dynamo
 from ..passes.constant_fold import FROZEN_INPUTS
 from ..report import FallbackKind
+from .frozen_code import LoadedCode, StaleCode
 
 _version = operator.attrgetter("_version")
-# Assignments of parameters, buffers and modules anywhere in the process (see _count_assignments).
+# Assignments of parameters, buffers and modules anywhere in the process (see count_assignments).
 _assignments = [0]
 
 
@@ -40,8 +41,8 @@ class FrozenWatch:
     """The runtime of one frozen graph, behind the check of its weights (module docstring)."""
 
     def __init__(self, runtime: Callable, backend: Any, positions: list[int], tensors: list[torch.Tensor],
-                 names: list[str]):
-        self.runtime, self.backend = runtime, backend
+                 names: list[str], loaded: LoadedCode | None = None):
+        self.runtime, self.backend, self.loaded = runtime, backend, loaded
         self.positions, self.tensors, self.names = positions, tensors, names
         # AOTAutograd's convention, kept for callers that read it: a boxed call passes one list.
         self._boxed_call = getattr(runtime, "_boxed_call", False)
@@ -56,6 +57,8 @@ class FrozenWatch:
     def __call__(self, *args: Any) -> Any:
         if self.assignments != _assignments[0] or list(map(_version, self.tensors)) != self.versions:
             self._changed(args[0] if len(args) == 1 and isinstance(args[0], list) else args)
+        if self.loaded is not None and self.loaded.stale is not None:
+            raise StaleCode(self.loaded.stale)
         if self.learned:
             return self.runtime(*args)
         return self._first(*args)
@@ -103,7 +106,6 @@ def watched(runtime: Callable, gm: torch.fx.GraphModule, example_inputs: Sequenc
 
 def watch(runtime: Callable, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], backend: Any) -> FrozenWatch:
     """`runtime` behind a FrozenWatch of the parameters and buffers Dynamo passes to `gm`."""
-    _count_assignments()
     positions, tensors, names = [], [], []
     described = zip(example_inputs, dynamo.input_kinds(gm), dynamo.input_sources(gm))
     for i, (value, kind, source) in enumerate(described):
@@ -114,13 +116,14 @@ def watch(runtime: Callable, gm: torch.fx.GraphModule, example_inputs: Sequence[
     return FrozenWatch(runtime, backend, positions, tensors, names)
 
 
-def watch_inputs(runtime: Callable, backend: Any, inputs: list, sources: dict[int, str]) -> FrozenWatch:
+def watch_inputs(runtime: Callable, backend: Any, inputs: list, sources: dict[int, str],
+                 loaded: LoadedCode | None) -> FrozenWatch:
     """`runtime` behind a FrozenWatch of the weights among `inputs` (a graph's inputs,
-    as a stored trace's graph is built from: `sources` names each weight's position)."""
-    _count_assignments()
+    as a stored trace's graph is built from: `sources` names each weight's position).
+    `loaded`: a level-2 graph's code, which raises StaleCode once refresh() let it go."""
     positions = [i for i in sources if isinstance(inputs[i], torch.Tensor) and not inputs[i].is_inference()]
     return FrozenWatch(runtime, backend, positions, [inputs[i] for i in positions],
-                       [_short(sources[i]) for i in positions])
+                       [_short(sources[i]) for i in positions], loaded)
 
 
 UNFROZEN = ("freeze_parameters=False: a graph ran in inference (no grad) with its weights as live inputs; "
@@ -185,9 +188,13 @@ def _bump(*_: Any) -> None:
 
 
 @functools.cache
-def _count_assignments() -> None:
-    """From the first frozen graph on (not at import), count every assignment of a
-    parameter, buffer or module in the process: torch has no per-module hook for them."""
+def count_assignments() -> None:
+    """From the first Backend that freezes weights on (not at import), count every
+    assignment of a parameter, buffer or module in the process: torch has no per-module
+    hook for them. Before that Backend's first trace, not at its first graph: a forward
+    that builds a module (transformers' Llama slices its ModuleList) has Dynamo guard on
+    the registration hooks, and a stored trace must find the same hooks in a later
+    process as where it was traced."""
     torch.nn.modules.module.register_module_parameter_registration_hook(_bump)
     torch.nn.modules.module.register_module_buffer_registration_hook(_bump)
     torch.nn.modules.module.register_module_module_registration_hook(_bump)
