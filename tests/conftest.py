@@ -42,6 +42,8 @@ VERSION_SENSITIVE = (
     "tests/test_traces.py::test_a_trace_stored_in_inference_mode_is_not_used_outside_it",
     "tests/test_traces.py::test_guard_sources_are_read_by_a_walker_never_evaluated",
     "tests/test_traces.py::test_a_guard_torch_cannot_store_leaves_the_step_to_dynamo",
+    # Dynamo's guards on the module registration hooks, where a forward builds a module
+    "tests/test_frozen_changes.py::test_a_forward_that_builds_a_module_loads_its_stored_trace_in_a_later_process",
     # Dynamo's type guards on a class made inside a function, which graphopt takes over
     "tests/test_traces.py::test_function_modules_of_local_classes_are_stored_and_told_apart",
     # transformers' Llama through a stored trace (2.11 refused one reading the builtin `type`)

@@ -259,13 +259,16 @@ def test_llama_generate_through_each_way_in(way: str, level: int) -> None:
         assert probe.steps[-1].recompiles == probe.steps[1].recompiles, probe.steps
 
 
-def test_llama_second_start_runs_the_stored_trace(monkeypatch) -> None:
+@pytest.mark.parametrize("frozen", [False, True])
+def test_llama_second_start_runs_the_stored_trace(monkeypatch, frozen: bool) -> None:
     """A second start (Dynamo reset, a new step over the same forward, the same
     cache) generates eager's tokens without Dynamo tracing the model: the trace of
-    transformers' decorated forward is stored, on every torch graphopt supports."""
+    transformers' decorated forward is stored, on every torch graphopt supports; with
+    frozen weights too, whose graphs a later process builds from its own weights."""
     eager, model = twins("llama")
     forward = model.forward
-    config = graphopt.GraphOptimizationConfig(graph_opt_level=1, max_num_seqs=MAX_NUM_SEQS, use_cudagraph=False)
+    config = graphopt.GraphOptimizationConfig(graph_opt_level=1, max_num_seqs=MAX_NUM_SEQS, use_cudagraph=False,
+                                              freeze_parameters=frozen)
     ids = prompt(2)
     expected = generate(eager, ids)
     model.forward = first = graphopt.optimize(forward, config)
