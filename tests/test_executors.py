@@ -80,6 +80,22 @@ def test_the_engine_runs_a_graph_with_eager_outputs_at_every_batch(build, engine
     assert {e["executor"] for e in step.report().executors} == {"onnxruntime"}
 
 
+def test_a_second_start_chooses_its_engine_again(engine_wins, tmp_path):
+    """The engine is exported and timed from the graph Dynamo hands over: a step with
+    executors stores no trace, so a second start on the same cache (its graph loaded
+    from there) runs the engine again rather than graphopt's code."""
+    needs_onnxruntime()
+    model, inputs = cnn()
+    args = inputs(2)
+    for start in ("first", "second"):
+        torch._dynamo.reset()
+        step = optimized(copy.deepcopy(model), cache_dir=str(tmp_path))
+        with torch.inference_mode():
+            assert_close_tree(step(*args), model(*args), f"{start} start")
+        assert {e["executor"] for e in step.report().executors} == {"onnxruntime"}, start
+    assert (step.report().cache_hits, step.report().traces_used) == (1, 0)
+
+
 def test_refresh_exports_the_weights_again(engine_wins):
     needs_onnxruntime()
     model, inputs = cnn()

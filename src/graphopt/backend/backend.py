@@ -153,6 +153,8 @@ class Backend:
             runtime, spec = self._runtime_at(gm, example_inputs, level, fingerprint)
         if self.config.executors and level:  # an engine may run it instead
             runtime = executors.choose(gm, example_inputs, runtime, self.config, self._report, self.repackables)
+            if isinstance(spec, GraphSpec):  # a graph built from a stored trace would skip the choice
+                spec = "executors: an engine is exported and timed from the graph Dynamo hands over"
         inference = not records_autograd(example_inputs)
         return frozen_watch.watched(runtime, gm, example_inputs, self, level, inference), spec
 

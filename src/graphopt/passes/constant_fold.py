@@ -128,16 +128,25 @@ def _erase_unread(gm: torch.fx.GraphModule, sources: dict) -> None:
     pass may have read to decide a rewrite: its digest keys the stored graph): a
     weight folded into a concatenation, then quantized from it, would otherwise keep the
     full-precision concatenation alive beside the quantized one for nothing."""
-    recipes = gm.meta.get(FOLDED_RECIPES, {})
     for node in reversed(gm.graph.nodes):
         if node in sources and node.op == "call_function" and not node.users:
             gm.graph.erase_node(node)
-        elif node in sources and node.op == "get_attr" and node.target.startswith("_folded_") and not node.users \
-                and not may_be_read(_attr(gm, node.target)):
-            gm.graph.erase_node(node)
-            if not gm.graph.find_nodes(op="get_attr", target=node.target):
-                delattr(gm, node.target)
-                recipes.pop(node.target, None)
+        elif node in sources:
+            drop_if_unread(gm, node)
+
+
+def drop_if_unread(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
+    """Erase `node`, a get_attr of a folded value, where nothing reads it any more, with
+    its buffer and recipe once no other get_attr reads them (not a value a pass may have
+    read: its digest keys the stored graph). A pass that packs a folded weight for
+    oneDNN calls this on the dense weight, whose packed copy's recipe holds its own: the
+    dense concatenation of Q/K/V or gate/up would otherwise stay beside the packed one."""
+    if node.op == "get_attr" and node.target.startswith("_folded_") and not node.users \
+            and not may_be_read(_attr(gm, node.target)):
+        gm.graph.erase_node(node)
+        if not gm.graph.find_nodes(op="get_attr", target=node.target):
+            delattr(gm, node.target)
+            gm.meta.get(FOLDED_RECIPES, {}).pop(node.target, None)
 
 
 def may_be_read(value: torch.Tensor) -> bool:

@@ -11,7 +11,7 @@ import graphopt
 from graphopt import FallbackKind
 from graphopt._compat import mkldnn
 from graphopt.models import ResNet, ResNetConfig
-from graphopt.passes.constant_fold import FROZEN_INPUTS
+from graphopt.passes.constant_fold import FROZEN_INPUTS, may_be_read
 from graphopt.passes.fusion.conv import fuse_conv
 
 pytestmark = pytest.mark.skipif(not mkldnn.available(), reason="torch built without oneDNN")
@@ -42,6 +42,10 @@ def test_resnet_equals_eager_with_every_convolution_fused(level, host_graphs):
         for _ in range(4):  # host graphs: warm-ups, a capture, replays
             assert_close_tree(step(images), expected, f"level {level}")
     assert (step.report().replays > 0) == host_graphs
+    [gm] = step.graphs()
+    unread = [name for name, value in gm.named_buffers() if not may_be_read(value)
+              and not any(n.users for n in gm.graph.find_nodes(op="get_attr", target=name))]
+    assert not unread, unread  # a weight folded with its batch norm is not kept dense beside its packed copy
     counts = conv_counts(step)
     convs = sum(isinstance(m, nn.Conv2d) for m in model.modules())
     if level == 1:  # batch norm is still an op to fold; at level 2 Inductor has decomposed it

@@ -61,6 +61,39 @@ def test_refresh_repacks_the_weights():
         assert_close_tree(step(x), fresh, "after refresh()")
 
 
+class GatedMlp(nn.Module):
+    """gate and up read one input: horizontal fusion folds their weights into one concatenation."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(64, 256, bias=False), nn.Linear(64, 256, bias=False), \
+            nn.Linear(256, 64, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def test_a_folded_weight_packed_for_onednn_is_not_kept_beside_its_packed_copy():
+    """gate/up's concatenation is folded, then packed: the graph keeps the packed copy
+    only (its recipe makes the concatenation again at refresh()), a quarter less memory
+    than the weights on a Llama's MLP, and refresh() still follows an update."""
+    torch.manual_seed(0)
+    model = GatedMlp().eval()
+    step = graphopt.optimize(model, graphopt.GraphOptimizationConfig(
+        graph_opt_level=1, freeze_parameters=True, use_cudagraph=False, cache_dir=None))
+    x = torch.randn(8, 64, 64)
+    with torch.inference_mode():
+        assert_close_tree(step(x), model(x), "first call")
+        [gm] = step.graphs()
+        held = dict(gm.named_buffers())
+        assert sorted(held) == ["_packed_0", "_packed_1"], sorted(held)  # gate/up as one, and down
+        assert not gm.graph.find_nodes(op="get_attr", target="_folded_0")
+        with torch.no_grad():
+            model.up.weight.mul_(1.5)  # noticed: refreshed before the call
+        assert_close_tree(step(x), model(x), "after an update")
+    assert counts(step) == {"linear": 2}
+
+
 def run_pass(fn, args, frozen):
     """The pass on `fn`'s ATen graph (linears recomposed first, as at level 1); a
     GEMM of 8x64 rows x 128 x 96 is over the gate (6M multiply-adds)."""

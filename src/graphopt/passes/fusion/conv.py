@@ -19,7 +19,7 @@ import torch.fx
 
 from ..._compat import fake, mkldnn, shapes
 from ..base import GraphFacts, PassResult, alias_root, erase_dead, value_of
-from ..constant_fold import FOLDED_RECIPES, FROZEN_INPUTS, fold_node, recipe_of_call
+from ..constant_fold import FOLDED_RECIPES, FROZEN_INPUTS, drop_if_unread, fold_node, recipe_of_call
 from ..strides import fake_run, restrided, set_values
 from . import FUSED_TAG
 
@@ -180,6 +180,7 @@ def _fuse_pointwise(gm: torch.fx.GraphModule, conv: torch.fx.Node, facts: GraphF
     set_values(vals)
     last.replace_all_uses_with(fused)
     erase_dead(last)
+    drop_if_unread(gm, w)
     return fused.meta[FUSED_TAG]
 
 

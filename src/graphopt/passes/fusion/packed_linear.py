@@ -14,7 +14,7 @@ import torch.fx
 
 from ..._compat import mkldnn, shapes
 from ..base import CASTS, GraphFacts, PassResult, changes_only_dtype, erase_dead, value_of
-from ..constant_fold import FROZEN_INPUTS
+from ..constant_fold import FROZEN_INPUTS, drop_if_unread
 from . import FUSED_TAG, gates
 from .conv import frozen_constant, packed_weight
 
@@ -114,4 +114,5 @@ def _fuse(gm: torch.fx.GraphModule, linear: torch.fx.Node, facts: GraphFacts) ->
     fused.meta = {**last.meta, FUSED_TAG: "linear" + (f"_{unary}" if unary != "none" else "")}
     last.replace_all_uses_with(fused)
     erase_dead(last)
+    drop_if_unread(gm, w)
     return fused.meta[FUSED_TAG]
