@@ -96,7 +96,7 @@ def main() -> None:
     if args.child:
         child(*args.child, args.threads)
         return
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=160)  # a log: the table's full width
     table = Table(title=f"LlamaForCausalLM, hidden {args.hidden}, {args.layers} layers (from_pretrained), "
                         f"{args.threads} threads: seconds from launch, first start / second start")
     for column in ("contender", "weights loaded", f"first call ({PROMPT} tokens)",
