@@ -7,7 +7,7 @@ from decoder_spellings import SPELLINGS, decode_inputs
 import graphopt
 from graphopt import FallbackKind
 from graphopt._compat import background
-from graphopt.backend import tiers
+from graphopt.backend import candidates, tiers
 from graphopt.config import tolerance
 from graphopt.report import Report
 
@@ -85,6 +85,24 @@ def test_the_faster_level_serves_by_the_clock(costs, level):
     choice(x, state)
     assert torch.equal(state, torch.full((3,), 2.0))
     assert choice.run is not choice._first
+
+
+@pytest.mark.parametrize("costs, rounds", [({"fast": 1e-3, "slow": 3e-3}, candidates.DECIDED_AFTER),
+                                           ({"fast": 1e-3, "close": 1.2e-3}, tiers.ROUNDS)])
+def test_a_race_far_apart_is_decided_in_fewer_rounds(costs, rounds):
+    """Candidates 3x apart stop after DECIDED_AFTER rounds; 1.2x apart run every round.
+    Each call of a round (two at least) counts, after one warm-up call."""
+    clock, calls = FakeClock(), dict.fromkeys(costs, 0)
+
+    def timed(name):
+        def run():
+            calls[name] += 1
+            clock.now += costs[name]
+        return run
+
+    seconds = candidates.median_seconds({name: timed(name) for name in costs}, (), tiers.ROUNDS, 0.0, clock=clock)
+    assert calls == dict.fromkeys(costs, 1 + 2 * rounds)
+    assert seconds == {name: pytest.approx(cost) for name, cost in costs.items()}
 
 
 def test_pick_is_deterministic_given_the_timings():
