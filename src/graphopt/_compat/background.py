@@ -2,7 +2,7 @@
 
     compile_fx -> AOTAutograd's graph -> graphopt's post-grad pass (here, in the main thread)
                -> pickled graph -> child process: Inductor's post-grad passes, lowering, C++ build
-               -> Future; its code is unpickled here when `BackgroundCompile.ready()`
+               -> Future; its code is unpickled here, in a thread, as soon as it arrives
 
 Why a child process and not a thread: `make_fx` (Inductor's pattern replacements, graphopt's
 pattern registration) sets FX's process-global tracing flag, and while it is set every call to
@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import threading
+import weakref
 from concurrent.futures import Future
 from typing import Any, Iterator, Sequence
 
@@ -126,15 +127,14 @@ def _start(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inputs_to_ch
     shape_env = _current_shape_env()
     known = len(shape_env.guards) if shape_env is not None else 0
     env = {v: os.environ[v] for v in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") if v in os.environ}
-    future = _submit(pickled, env)
+    future = _unpickled(_submit(pickled, env), lambda result: (result[0].deserialize(constants), result[1]))
     started.futures.append(future)
     gemm_records = autotune.open_choices()
 
     def arrived(result: tuple[Any, dict[str, str]]) -> Any:
-        pickled_output, gemms = result
+        output, gemms = result
         for record in gemm_records:
             record.update(gemms)
-        output = pickled_output.deserialize(constants)
         # A guard Inductor added while compiling (a size it specialized on) would have
         # joined Dynamo's guards in this process; from the child it cannot any more.
         added = output.shape_env.guards[known:] if output.shape_env is not None else []
@@ -174,6 +174,34 @@ def _submit(pickled: Any, env: dict[str, str]) -> Future:
                                else result.set_result(done.result()))
 
     threading.Thread(target=send, name="graphopt-background-send", daemon=True).start()
+    return result
+
+
+def _unpickled(sent: Future, unpickle: Any) -> Future:
+    """`sent`'s result, unpickled in a thread of its own as soon as it arrives. With frozen
+    weights the child's code carries the weights its GEMM template packed (1.9 GB on a
+    0.85B Llama): unpickled by the call that first runs level 2, they stalled that call
+    for 4.8 s. A failure to unpickle is the compile's failure, as the child's own is.
+    `sent` holds the returned future weakly, and `unpickle` (which holds the graph's
+    constants) only through it: a model dropped while its child compiles is freed at
+    once, and what the child sends back for it is never unpickled."""
+    result: Future = Future()
+    result.unpickle = unpickle  # type: ignore[attr-defined]
+    waiting = weakref.ref(result)
+
+    def unpack() -> None:
+        pending = waiting()
+        if pending is None:
+            return
+        try:
+            pending.set_result(pending.unpickle(sent.result()))
+        except BaseException as error:  # noqa: BLE001 - reported by BackgroundCompile.why()
+            pending.set_exception(error)
+        finally:
+            del pending.unpickle
+
+    sent.add_done_callback(lambda _: threading.Thread(target=unpack, name="graphopt-background-unpickle",
+                                                      daemon=True).start())
     return result
 
 
