@@ -47,6 +47,7 @@ def child(path: str, contender: str, threads: int) -> None:
     import transformers
 
     import graphopt
+    from graphopt.bench.startup import peak_rss
 
     torch.set_num_threads(threads)
     model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -69,8 +70,7 @@ def child(path: str, contender: str, threads: int) -> None:
             step(prompts[0])
         found["step_ms"] = (time.perf_counter() - began) / 3 * 1e3
         found["error"] = (logits - model(prompts[0]).logits).abs().max().item()
-    with open("/proc/self/status") as status:
-        found["peak_gib"] = int(next(line for line in status if line.startswith("VmHWM")).split()[1]) / 2**20
+    found["peak_gib"] = peak_rss() / 2**30
     print(json.dumps(found))
 
 
