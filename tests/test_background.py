@@ -59,3 +59,29 @@ def test_a_model_dropped_while_its_child_compiles_is_freed_and_its_code_never_un
         if thread.name == "graphopt-background-unpickle":
             thread.join(timeout=10)
     assert unpickled == []
+
+
+def test_a_size_the_childs_code_assumes_is_checked_at_each_call():
+    """A guard Inductor adds in the child (s0 <= 10, s0 % 4 == 0) cannot join Dynamo's
+    guards: a call whose sizes break it runs the graph as FX code, and says so; a call
+    within it runs Inductor's code."""
+    import types
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from graphopt._compat import size_assumptions
+
+    shape_env = ShapeEnv()
+    dynamic_rows = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    x = FakeTensorMode(shape_env=shape_env).from_tensor(torch.zeros(8, 4), symbolic_context=dynamic_rows)
+    known = len(shape_env.guards)
+    assert x.shape[0] <= 10 and x.shape[0] % 4 == 0  # as Inductor's lowering asks, adding two guards
+    added = shape_env.guards[known:]
+    assert len(added) == 2
+    compiled, told = types.SimpleNamespace(current_callable=lambda args: "inductor"), []
+    size_assumptions.checked(compiled, lambda args: "fx", [x], shape_env, added, told.append)
+    ran = [compiled.current_callable([torch.zeros(rows, 4)]) for rows in (8, 12, 6, 4)]
+    assert ran == ["inductor", "fx", "fx", "inductor"]
+    assert len(told) == 2 and "<= 10" in told[0] and "runs its graph as FX code" in told[0]

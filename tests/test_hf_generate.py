@@ -259,6 +259,26 @@ def test_llama_generate_through_each_way_in(way: str, level: int) -> None:
         assert probe.steps[-1].recompiles == probe.steps[1].recompiles, probe.steps
 
 
+@pytest.mark.fresh_cache
+def test_llama_generate_under_inference_mode_times_both_levels_and_keeps_eagers_tokens() -> None:
+    """As servers call it: the default level through torch.compile, generate() under
+    torch.inference_mode(), whose static cache is then made of inference tensors that the
+    graphs write. Level 2 (started at the second call, compiled in a child) must compile
+    and be timed against level 1 on every graph, not fall back to level 1 for good."""
+    skip_without_inductor(2)
+    eager, model = twins("llama")
+    model.forward = torch.compile(model.forward, backend="graphopt", options={"max_num_seqs": MAX_NUM_SEQS})
+    ids = prompt(1)
+    with torch.inference_mode():
+        expected = generate(eager, ids)
+        assert torch.equal(generate(model, ids), expected)
+        assert graphopt.wait_for_background(timeout=600)
+        assert torch.equal(generate(model, ids), expected)
+    report = graphopt.backends()[-1].report()
+    assert [set(c["seconds"]) for c in report.level_choices] == [{"1", "2"}] * 2, report.level_choices
+    assert FallbackKind.LEVEL not in report.fallback_counts, report.fallbacks
+
+
 @pytest.mark.parametrize("frozen", [False, True])
 def test_llama_second_start_runs_the_stored_trace(monkeypatch, frozen: bool) -> None:
     """A second start (Dynamo reset, a new step over the same forward, the same

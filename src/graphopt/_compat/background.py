@@ -25,28 +25,28 @@ import re
 import threading
 import weakref
 from concurrent.futures import Future
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from . import autotune, inductor
+from .size_assumptions import checked
 
 
 class NotSerializable(RuntimeError):
     """Inductor could not pickle the graph for a child process."""
 
 
-class UnguardedAssumption(RuntimeError):
-    """The child's compile added a guard on the graph's sizes after Dynamo's guards were made."""
-
-
 class BackgroundCompile:
     """The futures of the child compiles one `compile_fx` started (one per graph AOTAutograd
-    compiles: the forward in inference), and why any was compiled here instead."""
+    compiles: the forward in inference), and why any was compiled here instead. `outside`
+    is told each call whose sizes break an assumption the child's code made
+    (size_assumptions.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, outside: Callable[[str], None] = lambda why: None) -> None:
         self.futures: list[Future] = []
         self.in_foreground: list[str] = []
+        self.outside = outside
 
     def ready(self) -> bool:
         """Whether every child compile has finished (or failed: `error()` says)."""
@@ -138,10 +138,9 @@ def _start(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inputs_to_ch
         # A guard Inductor added while compiling (a size it specialized on) would have
         # joined Dynamo's guards in this process; from the child it cannot any more.
         added = output.shape_env.guards[known:] if output.shape_env is not None else []
-        if added:
-            raise UnguardedAssumption("Inductor's code assumes " + ", ".join(str(g.expr) for g in added[:3])
-                                      + ", which Dynamo's guards do not check")
         scheme._postprocess(output)
+        if added:
+            checked(output.graph, here, example_inputs, shape_env, added, started.outside)
         _drop_packed_originals(gm, marked, output.graph)
         return output.graph
 

@@ -80,15 +80,26 @@ def later_in_this_compile() -> Callable[[], Any]:
 def modes_of_now() -> Callable[[], Any]:
     """A context that puts back the grad and inference modes of now, for a compile run
     later (a deferred level 2, refresh()'s): in grad mode, AOTAutograd compiles a graph that
-    saves its inputs for backward, which inference tensors refuse."""
+    saves its inputs for backward, which inference tensors refuse. Dynamo compiles with
+    inference mode off and its fake tensors made without inference-ness, so a graph that
+    writes an input made under `torch.inference_mode()` (transformers' static cache) traces;
+    a later compile makes fake tensors of such inputs again, and needs the same."""
     grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
     @contextlib.contextmanager
     def again() -> Any:
-        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad), _fakes_without_inference():
             yield
 
     return again
+
+
+def _fakes_without_inference() -> Any:
+    """Dynamo's own context for that (torch._dynamo.utils), where this torch has it."""
+    from torch._dynamo import utils
+
+    fake_prop = getattr(utils, "maybe_disable_inference_mode_for_fake_prop", None)
+    return fake_prop() if fake_prop is not None else contextlib.nullcontext()
 
 
 def input_kinds(gm: torch.fx.GraphModule) -> list[str]:

@@ -203,7 +203,8 @@ def choose(compile_at: Callable[[int], Callable], eager: Callable, stateful: lis
         return LevelChoice(runtimes, eager, stateful, record, report, chosen, bound=bound, released=released)
 
     def in_child() -> tuple[Callable, background.BackgroundCompile]:
-        pending = background.BackgroundCompile()
+        pending = background.BackgroundCompile(
+            lambda why: report.fallback(FallbackKind.LEVEL, f"graph_opt_level='auto': graph {record['graph']}: {why}"))
         with in_background(), background.in_child(pending):
             runtime = compile_at(2)
         for why in pending.in_foreground:
