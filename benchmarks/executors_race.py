@@ -23,7 +23,7 @@ import torch
 import graphopt
 from graphopt.backend import candidates, engines
 from graphopt.bench.vision import ResNet18
-from graphopt.passes import precision
+from graphopt.passes import lowered_error
 
 
 def model_and_inputs(name: str):
@@ -91,7 +91,7 @@ def main() -> None:
                           "openvino f32": lambda: ov32(arrays)[0], "openvino bf16": lambda: ov16(arrays)[0],
                           "onnxruntime": lambda: ort(arrays)[0],
                           "compile f32": lambda: compiled32(*args), "compile bf16": lambda: compiled16(*args16)}
-            errors = {k: precision.worst_error([expected], [run()])[1] for k, run in contenders.items()}
+            errors = {k: lowered_error.worst_error([expected], [run()])[1] for k, run in contenders.items()}
             seconds = candidates.median_seconds(contenders, (), options.rounds, 0.15)
         for name, s in seconds.items():
             print(f"  {name:16s} {s * 1e3:8.2f} ms  max abs error {errors[name]:.2g}  "

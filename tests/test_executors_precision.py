@@ -14,7 +14,7 @@ import graphopt
 from graphopt import FallbackKind
 from graphopt._compat import mkldnn
 from graphopt.backend import engines, executors
-from graphopt.passes import precision
+from graphopt.passes import lowered_error
 
 
 def needs_openvino():
@@ -100,7 +100,7 @@ def test_with_bfloat16_allowed_openvino_bf16_races_within_precision_tolerance(co
     with torch.inference_mode():
         got, expected = step(x), model(x)
         step(x)
-    relative, largest, _ = precision.worst_error([expected], [got])
+    relative, largest, _ = lowered_error.worst_error([expected], [got])
     assert 0 < relative <= 0.05  # precision_tolerance's default
     (record,) = step.report().executors
     assert set(record["seconds"]) == {"graphopt", "onnxruntime", "openvino", "openvino-bf16"}

@@ -9,6 +9,7 @@ from graphopt import FallbackKind
 from graphopt._compat import background
 from graphopt.backend import candidates, tiers
 from graphopt.config import tolerance
+from graphopt.passes import lowered_error
 from graphopt.report import Report
 
 
@@ -209,7 +210,7 @@ def test_with_lowered_precision_a_level_is_held_to_precision_tolerance_not_float
     x = torch.tensor([1.0, 2.0, 4.0])
     near = fake_runtime(clock, 1e-3, state, result=x * 2 * 1.01)   # 1% off: bfloat16's error
     far = fake_runtime(clock, 1e-4, state, result=x * 2 * 1.2)     # 20% off
-    for bound, chosen in [(None, None), (0.05, 1)]:
+    for bound, chosen in [(None, None), (lowered_error.Bound(0.05, set(), 32), 1)]:
         report, received = Report("auto"), []
         runtimes = {1: near, 2: far}
         choice = tiers.LevelChoice(runtimes, lambda x, s: (x * 2,), [1], {"graph": 0}, report, received.append,
@@ -223,13 +224,31 @@ def test_with_lowered_precision_a_level_is_held_to_precision_tolerance_not_float
                    "precision_tolerance=0.05; it is not a candidate" in next(iter(report.fallbacks))
 
 
-def test_the_precision_bound_follows_the_config():
-    config = graphopt.GraphOptimizationConfig
-    assert tiers.precision_bound(config()) is None
-    assert tiers.precision_bound(config(compute_dtype="bfloat16")) == 0.05
-    assert tiers.precision_bound(config(freeze_parameters=True, weight_quantization="int8",
-                                        precision_tolerance=0.1)) == 0.1
-    assert tiers.precision_bound(config(compute_dtype="bfloat16", precision_tolerance=None)) == float("inf")
+def test_the_precision_bound_follows_the_config_and_knows_the_graphs_vocabulary():
+    config, graph = graphopt.GraphOptimizationConfig, torch.fx.Graph()
+    ids, table = graph.placeholder("ids"), graph.placeholder("table")
+    table.meta["example_value"] = torch.empty(10, 4)  # as Dynamo's graph carries it
+    graph.output(graph.call_function(torch.nn.functional.embedding, (ids, table)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert tiers.precision_bound(config(), gm) is None
+    bounds = [tiers.precision_bound(config(compute_dtype="bfloat16"), gm),
+              tiers.precision_bound(config(freeze_parameters=True, weight_quantization="int8",
+                                           precision_tolerance=0.1), gm),
+              tiers.precision_bound(config(compute_dtype="bfloat16", precision_tolerance=None), gm)]
+    assert [b.tolerance for b in bounds] == [0.05, 0.1, float("inf")]
+    assert bounds[0].vocab == {10}
+
+
+def test_a_causal_lms_level_is_held_to_the_kl_of_its_logits_not_their_largest_error():
+    """Logits over the graph's vocabulary are judged by how far their next-token
+    distribution moved: a large error on a logit that keeps its token's probability
+    passes; a distribution moved past the bound does not."""
+    bound = lowered_error.Bound(0.05, {3}, 32)
+    eager = torch.tensor([[[8.0, 0.0, -8.0]]])
+    assert bound.past([eager], [torch.tensor([[[8.0, 0.0, -4.0]]])]) is None  # 0.5 of the largest logit
+    why = bound.past([eager], [torch.tensor([[[1.0, 1.0, -8.0]]])])
+    assert why is not None and "nats (mean KL)" in why
+    assert lowered_error.Bound(0.05, set(), 32).past([eager], [torch.tensor([[[8.0, 0.0, -4.0]]])]) is not None
 
 
 def test_auto_with_int8_weights_chooses_between_the_quantized_levels():

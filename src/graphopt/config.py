@@ -155,8 +155,10 @@ class GraphOptimizationConfig:
     # The dtype matmuls, convolutions and attention compute in (passes/precision.py); None:
     # the model's own. Inputs, outputs, norms' statistics and softmax keep the model's dtype.
     compute_dtype: str | None = None
-    # With compute_dtype: the largest error allowed, as a fraction of the output's largest
-    # magnitude, measured at compile time; past it the graph keeps full precision. None: no bound.
+    # With compute_dtype or weight_quantization: the error allowed, measured at compile time
+    # (passes/lowered_error.py): for a causal LM's graph the mean KL divergence of its next-token
+    # distributions in nats, else the largest error as a fraction of the output's largest
+    # magnitude; past it the graph keeps full precision. None: no bound.
     precision_tolerance: float | None = 0.05
     # Linears' frozen weights in fewer bits (passes/quantize.py), level 1, 2 or auto: "int8", a scale per
     # output channel; "int4", a scale and a zero per group of 32 input channels (CPU only).

@@ -382,9 +382,12 @@ def _executor_lines(e: dict[str, Any]) -> list[str]:
 def _precision_line(error: dict[str, Any]) -> str:
     kept = "kept" if not error["fell_back"] else f"over precision_tolerance={error['tolerance']:g}: full precision"
     tokens = ""
-    if "token_agreement" in error:  # a causal LM's logits (passes/precision.py token_agreement)
-        tokens = (f", greedy tokens agree on {round(error['token_agreement'] * error['tokens_compared'])} of "
+    if "logits_kl" in error:  # a causal LM's logits, judged by their KL (passes/lowered_error.py)
+        tokens = (f", next-token KL {error['logits_kl']:.3g} nats, greedy tokens agree on "
+                  f"{round(error['token_agreement'] * error['tokens_compared'])} of "
                   f"{error['tokens_compared']} ({100 * error['token_agreement']:.3g}%)")
+    if "logits_weights" in error:
+        tokens += f", the logits' projection in {error['logits_weights']}"
     return (f"    lower precision ({error['dtype']}): max abs error {error['max_abs_error']:.3g}, mean "
             f"{error['mean_abs_error']:.3g}, {error['relative_error']:.3g} of the output's magnitude{tokens} ({kept})")
 

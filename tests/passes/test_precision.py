@@ -13,7 +13,7 @@ from graphopt._compat import mkldnn
 from graphopt.config import tolerance
 from graphopt.models import Decoder, DecoderConfig
 from graphopt.models.resnet import ResNet, ResNetConfig
-from graphopt.passes import manager, precision
+from graphopt.passes import lowered_error, manager, precision
 from graphopt.passes.precision import LOWERED_OPS, PRECISION_TABLE
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -210,11 +210,11 @@ def test_the_error_is_that_of_the_worst_result():
     gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
     gm.meta[precision.COMPUTE_DTYPE] = torch.bfloat16
     logits, cache = torch.tensor([4.0, -2.0]), torch.zeros(1000)
-    error = precision.measured_error(gm, [logits, cache], [torch.tensor([4.1, -2.0]), cache], 0.05)
+    error = lowered_error.measured_error(gm, [logits, cache], [torch.tensor([4.1, -2.0]), cache], 0.05)
     # The cache's zeros do not dilute the mean: it is the logits'.
     assert error == {"dtype": "bfloat16", "max_abs_error": pytest.approx(0.1), "mean_abs_error": pytest.approx(0.05),
                      "relative_error": pytest.approx(0.025), "tolerance": 0.05, "fell_back": False}
-    flipped = precision.measured_error(gm, [torch.tensor([1])], [torch.tensor([0])], None)
+    flipped = lowered_error.measured_error(gm, [torch.tensor([1])], [torch.tensor([0])], None)
     assert flipped["relative_error"] == float("inf") and not flipped["fell_back"]
 
 
@@ -305,7 +305,8 @@ def test_decoder_step_with_int8_weights(decoder):
     (gm,) = opt.graphs()
     kernels = sum(n.target is aten._weight_int8pack_mm.default for n in gm.graph.nodes)
     # Every linear: per layer q, k, v (one after fuse_horizontal_linear), o, gate, up (one) and down; the lm_head.
-    assert {p.name: p.counts for p in opt.report().passes}["quantize_weights"] == {"quantized": kernels}
+    counts = {p.name: p.counts for p in opt.report().passes}["quantize_weights"]
+    assert counts == {"quantized": 4 * decoder.config.num_layers, "logits quantized": 1}
     assert kernels == 4 * decoder.config.num_layers + 1
     assert not any(n.target is aten.linear.default for n in gm.graph.nodes)
     assert opt.report().graphs[0].precision["relative_error"] < 0.05
@@ -322,8 +323,9 @@ def test_decoder_step_with_int8_weights(decoder):
      "it needs freeze_parameters=True and a level above 0"),
     ({"compute_dtype": "float16"}, ValueError, "compute_dtype must be one of 'bfloat16' or null, got 'float16'"),
     ({"compute_dtype": torch.bfloat16}, TypeError, "compute_dtype must be one of 'bfloat16' or null, got "),
-    ({"precision_tolerance": 0}, ValueError, "precision_tolerance must be a number > 0 (a fraction of the output's "
-                                             "largest magnitude) or null for no bound, got 0"),
+    ({"precision_tolerance": 0}, ValueError, "precision_tolerance must be a number > 0 (a causal LM's next-token "
+                                             "KL in nats, else a fraction of the output's largest magnitude) or null "
+                                             "for no bound, got 0"),
     ({"precision_tolerance": float("nan")}, ValueError, "precision_tolerance must be a number > 0"),
     ({"precision_tolerance": "0.1"}, TypeError, "precision_tolerance must be a number > 0"),
     ({"precision_tolerance": True}, TypeError, "precision_tolerance must be a number > 0"),

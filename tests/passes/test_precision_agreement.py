@@ -11,7 +11,7 @@ from support import decode_inputs, unexpected_fallbacks
 import graphopt
 from graphopt._compat import mkldnn
 from graphopt.models import Decoder, DecoderConfig
-from graphopt.passes import precision, quantize
+from graphopt.passes import lowered_error, precision, quantize
 
 aten = torch.ops.aten
 
@@ -92,25 +92,25 @@ def test_the_agreement_counts_the_first_steps_only():
     logits = torch.randn(2, 3, 10, generator=torch.Generator().manual_seed(0))
     flipped = logits.clone()
     flipped[1, 2] = -flipped[1, 2]  # the last position of sequence 1 predicts another token
-    assert precision.token_agreement(gm, [logits], [flipped], steps=2) == (4, 4)
-    assert precision.token_agreement(gm, [logits], [flipped], steps=3) == (5, 6)
+    assert lowered_error.token_agreement(gm, [logits], [flipped], steps=2) == (4, 4)
+    assert lowered_error.token_agreement(gm, [logits], [flipped], steps=3) == (5, 6)
     # Results whose last dim is not the vocabulary (hidden states, a KV cache) are not logits.
-    assert precision.token_agreement(gm, [torch.randn(2, 4)], [torch.randn(2, 4)], steps=3) is None
-    assert precision.token_agreement(embedding_graph(vocab=11), [logits], [flipped], steps=3) is None
+    assert lowered_error.token_agreement(gm, [torch.randn(2, 4)], [torch.randn(2, 4)], steps=3) is None
+    assert lowered_error.token_agreement(embedding_graph(vocab=11), [logits], [flipped], steps=3) is None
 
 
 def test_a_flipped_token_within_tolerance_does_not_fall_back():
     gm = embedding_graph(vocab=3)
     gm.meta[precision.AGREEMENT_STEPS] = 8
     expected, actual = torch.tensor([[2.0, 1.99, 0.0]]), torch.tensor([[1.99, 2.0, 0.0]])
-    error = precision.measured_error(gm, [expected], [actual], tolerance=0.05)
+    error = lowered_error.measured_error(gm, [expected], [actual], tolerance=0.05)
     assert error["token_agreement"] == 0.0 and error["tokens_compared"] == 1
     assert error["relative_error"] == pytest.approx(0.005) and not error["fell_back"]
 
 
 def test_a_graph_without_logits_reports_no_agreement():
     gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
-    error = precision.measured_error(gm, [torch.ones(4, 8)], [torch.ones(4, 8)], 0.05)
+    error = lowered_error.measured_error(gm, [torch.ones(4, 8)], [torch.ones(4, 8)], 0.05)
     assert "token_agreement" not in error and "tokens_compared" not in error
 
 

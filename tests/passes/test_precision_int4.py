@@ -183,8 +183,9 @@ def test_decoder_step_with_int4_weights(decoder, level):
     # Per layer q, k, v (one linear after fuse_horizontal_linear), o and gate, up; and the lm_head.
     # The tiny decoder's down projection reads 176 inputs, not a multiple of the group size.
     counts = {p.name: p.counts for p in opt.report().passes}["quantize_weights"]
-    assert counts == {"quantized": 3 * decoder.config.num_layers + 1, "skipped": decoder.config.num_layers}
-    assert len(kernels(gm)) == counts["quantized"]
+    assert counts == {"quantized": 3 * decoder.config.num_layers, "logits quantized": 1,
+                      "skipped": decoder.config.num_layers}
+    assert len(kernels(gm)) == counts["quantized"] + 1
     assert_within_int4_bound(out, expected)
     error = opt.report().graphs[0].precision
     assert error["dtype"] == "int4 weights" and error["relative_error"] < INT4_BOUND and error["tokens_compared"] == 3
@@ -219,3 +220,28 @@ def test_the_key_comes_from_json():
     cfg = graphopt.GraphOptimizationConfig.from_json(
         '{"weight_quantization": "int4", "freeze_parameters": true, "graph_opt_level": 1}')
     assert cfg.weight_quantization == "int4" and graphopt.GraphOptimizationConfig.from_json(cfg.to_json()) == cfg
+
+
+@pytest.mark.parametrize("bound, logits_weights", [(0.01, "int8"), (0.0016, "float"), (0.0005, None)])
+def test_past_the_bound_the_logits_projection_takes_finer_formats_before_the_graph_is_undone(decoder, bound,
+                                                                                            logits_weights):
+    """An lm_head whose every group of 32 inputs has an outlier: in int4 it moves the
+    next-token distributions (mean KL 0.038 nats on this decode step), in int8 far less
+    (0.0020), in float32 with the rest in int4 less still (0.0013). Past the bound the
+    lm_head takes int8, then its float weight, and only then is the graph undone."""
+    with torch.no_grad():
+        decoder.lm_head.weight[:, ::INT4_GROUP] *= 12
+    opt = quantized(decoder, level=1, precision_tolerance=bound)
+    with torch.inference_mode():
+        opt(*decode_inputs(8))
+    (gm,) = opt.graphs()
+    error, int8 = opt.report().graphs[0].precision, aten._weight_int8pack_mm.default
+    if logits_weights is None:
+        assert not kernels(gm) and error["fell_back"] and error["logits_weights"] == "float"
+        assert unexpected_fallbacks(opt.report()) == {FallbackKind.PRECISION: 1}
+        assert "mean KL divergence of its next-token distributions" in next(iter(opt.report().fallbacks))
+        return
+    assert error["logits_weights"] == logits_weights and error["logits_kl"] <= bound and not error["fell_back"]
+    assert len(kernels(gm)) == 3  # the layer's q/k/v, o and gate/up (its down reads 176 inputs: not int4)
+    assert sum(n.target is int8 for n in gm.graph.nodes) == (logits_weights == "int8")
+    assert unexpected_fallbacks(opt.report()) == {}

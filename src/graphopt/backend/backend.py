@@ -277,7 +277,7 @@ class Backend:
 
         runtime = tiers.choose(compile_at, gm,
                                stateful, record, self._report, functools.partial(self.cache.store_choice, key),
-                               background, tiers.precision_bound(self.config), self._released)
+                               background, tiers.precision_bound(self.config, gm), self._released)
         return runtime, tiers.UNCHOSEN
 
     def _released(self, runtime: Callable) -> None:

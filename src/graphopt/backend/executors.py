@@ -37,7 +37,7 @@ from .._compat import dynamo, fake, mkldnn, ops
 from .._compat.names import TorchDispatchMode
 from ..config import GraphOptimizationConfig
 from ..kernels.collective import is_collective_op
-from ..passes import precision
+from ..passes import lowered_error
 from ..report import FallbackKind, Report, first_line
 from . import candidates, engines
 
@@ -315,7 +315,7 @@ def _judged(executor: Executor, inputs: list, expected: list, tolerance: float |
                             f"executors: {executor.name}'s output {unequal} of a graph differs from eager's beyond "
                             "config.py's tolerances; it runs on graphopt's compiled code")
         return unequal is None, None
-    error = precision.error_record(engines.DTYPES[executor.precision], [e for _, e in pairs],
+    error = lowered_error.error_record(engines.DTYPES[executor.precision], [e for _, e in pairs],
                                    [g for g, _ in pairs], tolerance)
     if error["fell_back"]:
         report.fallback(FallbackKind.EXECUTOR, f"executors: {executor.name}'s error against full precision, max abs "

@@ -34,7 +34,7 @@ import torch
 
 from .._compat import background
 from ..config import GraphOptimizationConfig
-from ..passes import precision
+from ..passes import lowered_error
 from ..report import FallbackKind, Report, first_line
 from . import candidates
 
@@ -67,7 +67,8 @@ class LevelChoice:
     def __init__(self, runtimes: dict[int, Callable], eager: Callable, stateful: list[int], record: dict[str, Any],
                  report: Report, chosen: Callable[[dict[str, Any]], None],
                  clock: Callable[[], float] = time.perf_counter, pending: background.BackgroundCompile | None = None,
-                 bound: float | None = None, released: Callable[[Callable], None] = lambda runtime: None,
+                 bound: lowered_error.Bound | None = None,
+                 released: Callable[[Callable], None] = lambda runtime: None,
                  later: Callable[[], tuple[Callable, background.BackgroundCompile]] | None = None):
         self.runtimes, self.eager, self.stateful = runtimes, eager, stateful
         self.record, self.report, self.chosen, self.clock = record, report, chosen, clock
@@ -174,19 +175,20 @@ def background_compile(device: str, cache_off: Callable[[], ContextManager]) -> 
     return cache_off if device == "cpu" else None
 
 
-def precision_bound(config: GraphOptimizationConfig) -> float | None:
+def precision_bound(config: GraphOptimizationConfig, gm: torch.fx.GraphModule) -> lowered_error.Bound | None:
     """How far a level's outputs may be from eager's: None, config.py's tolerances for the
     model's dtype; with compute_dtype or weight_quantization, the error precision_tolerance
-    allows (each level's lowering was measured and held to it at compile time), as a
-    fraction of each output's largest magnitude."""
+    allows (each level's lowering was measured and held to it at compile time), judged as
+    the lowering was: by the logits' KL where `gm` (Dynamo's graph) has logits."""
     if config.compute_dtype is None and config.weight_quantization is None:
         return None
-    return config.precision_tolerance if config.precision_tolerance is not None else float("inf")
+    tolerance = config.precision_tolerance if config.precision_tolerance is not None else float("inf")
+    return lowered_error.Bound(tolerance, lowered_error.vocabularies(gm), config.token_agreement_steps)
 
 
 def choose(compile_at: Callable[[int], Callable], eager: Callable, stateful: list[int], record: dict[str, Any],
            report: Report, chosen: Callable[[dict[str, Any]], None],
-           in_background: Callable[[], ContextManager] | None = None, bound: float | None = None,
+           in_background: Callable[[], ContextManager] | None = None, bound: lowered_error.Bound | None = None,
            released: Callable[[Callable], None] = lambda runtime: None) -> Callable:
     """One graph compiled at each level (`compile_at(level)`), as a LevelChoice. Level 1
     must compile (every graph gets it without "auto"); a level 2 that fails to compile
@@ -278,7 +280,8 @@ def _outputs(result: Any) -> list[Any]:
     return list(result) if isinstance(result, (list, tuple)) else [result]
 
 
-def _disagreement(runtime: Callable, args: Sequence[Any], expected: list[Any], bound: float | None) -> str | None:
+def _disagreement(runtime: Callable, args: Sequence[Any], expected: list[Any],
+                 bound: lowered_error.Bound | None) -> str | None:
     """Why `runtime` cannot serve (it fails, or an output differs from eager's beyond
     config.py's tolerances, or beyond `bound` where precision is lowered), or None. What
     it writes is not compared: padded rows may write where eager does not (a scratch cache slot)."""
@@ -296,13 +299,9 @@ def _disagreement(runtime: Callable, args: Sequence[Any], expected: list[Any], b
     return None
 
 
-def _past_bound(got: list[Any], expected: list[Any], bound: float) -> str | None:
+def _past_bound(got: list[Any], expected: list[Any], bound: lowered_error.Bound) -> str | None:
     """Why the tensors of `got` are not eager's within `bound` (precision_bound's), or None."""
     pairs = [(g, e) for g, e in zip(got, expected) if isinstance(e, torch.Tensor)]
     if any((g.shape, g.dtype) != (e.shape, e.dtype) for g, e in pairs):
         return "gave an output whose shape or dtype is not eager's"
-    relative = precision.worst_error([e for _, e in pairs], [g for g, _ in pairs])[0]
-    if relative <= bound:
-        return None
-    return f"has an error of {relative:.3g} of an output's largest magnitude against eager's, over " \
-           f"precision_tolerance={bound:g}"
+    return bound.past([e for _, e in pairs], [g for g, _ in pairs])

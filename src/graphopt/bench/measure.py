@@ -15,7 +15,7 @@ import torch
 
 from .._compat.names import tree_leaves, tree_map
 from ..backend import tiers
-from ..passes.precision import worst_error
+from ..passes.lowered_error import worst_error
 from .workloads import Case, Step
 
 EAGER = "eager"
@@ -157,7 +157,7 @@ def compare(output: Any, reference: Any, truth: Any = None) -> tuple[bool, float
 def lowered_error(output: Any, reference: Any, bound: float) -> tuple[bool, float, float]:
     """(within `bound`, largest absolute difference, that difference as a fraction of the
     reference's largest magnitude) for a contender that computes in lower precision: it is
-    judged as `precision_tolerance` judges a graph (`precision.worst_error`), not by
+    judged as `precision_tolerance` judges a graph (`lowered_error.worst_error`), not by
     eager's rounding; token ids must be equal."""
     ours, theirs = tree_leaves(output), tree_leaves(reference)
     pairs = [(b, a.to(b.device)) for a, b in zip(ours, theirs)

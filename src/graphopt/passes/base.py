@@ -227,3 +227,12 @@ class GraphFacts:
             if _returns_alias(user):
                 todo.extend(user.users)
         return True
+
+
+def vocabularies(gm: torch.fx.GraphModule) -> set[int]:
+    """The row counts of the tables `gm` embeds token ids from: in an ATen graph
+    `aten.embedding(table, ids)`, in Dynamo's `F.embedding(ids, table)`."""
+    tables = [n.args[0] for n in gm.graph.find_nodes(op="call_function", target=aten.embedding.default)]
+    tables += [n.args[1] for n in gm.graph.find_nodes(op="call_function", target=torch.nn.functional.embedding)]
+    values = [t.meta.get("val", t.meta.get("example_value")) for t in tables if isinstance(t, torch.fx.Node)]
+    return {int(v.shape[0]) for v in values if isinstance(v, torch.Tensor) and v.dim() == 2}

@@ -142,7 +142,9 @@ class Snapshot:
             else:
                 setattr(gm, name, value)
         gm.meta.clear()
-        gm.meta.update(self.meta)
+        # Copies again: a pass run after the restore adds to them in place, and the snapshot
+        # may be restored once more (the logits' finer formats, manager.py).
+        gm.meta.update({key: dict(value) if isinstance(value, dict) else value for key, value in self.meta.items()})
 
 
 def _attributes(gm: torch.fx.GraphModule) -> dict[str, tuple[str, Any]]:

@@ -9,14 +9,15 @@ mantissa loses what those add up. An op in neither list follows its inputs, whic
 the rewrite leaves in float32: each lowered op's result is cast back at once.
 
 The error is not assumed: the manager runs the graph before and after this pass on
-the compile's example inputs (`output_error`), records it in the report, and undoes
-the pass for a graph whose error is over `precision_tolerance`.
+the compile's example inputs, records how far it moved (lowered_error.py: for a causal
+LM, its next-token distributions) in the report, and undoes the pass for a graph whose
+error is over `precision_tolerance`.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.fx
@@ -285,70 +286,3 @@ def label(gm: torch.fx.GraphModule) -> str:
     parts = [f"{gm.meta[WEIGHT_QUANTIZATION]} weights" if gm.meta.get(WEIGHT_QUANTIZATION) else None,
              str(gm.meta[COMPUTE_DTYPE]).removeprefix("torch.") if gm.meta.get(COMPUTE_DTYPE) else None]
     return " + ".join(p for p in parts if p)
-
-
-def measured_error(gm: torch.fx.GraphModule, expected: Sequence[torch.Tensor], actual: Sequence[torch.Tensor],
-                   tolerance: float | None) -> dict[str, Any]:
-    """How far `actual` (the lowered graph's results) is from `expected` (full precision's),
-    as `worst_error` measures it, and whether it is past `tolerance`; for a causal LM's
-    graph also its greedy-token agreement (`token_agreement`), which is reported only: a
-    bound on it would undo the rewrite for one near-tie flipped among a handful of tokens."""
-    error = error_record(label(gm), expected, actual, tolerance)
-    steps = gm.meta.get(AGREEMENT_STEPS, GraphOptimizationConfig.token_agreement_steps)
-    agreement = token_agreement(gm, expected, actual, steps)
-    if agreement is not None:
-        error["token_agreement"], error["tokens_compared"] = agreement[0] / agreement[1], agreement[1]
-    return error
-
-
-def error_record(dtype: str, expected: Sequence[torch.Tensor], actual: Sequence[torch.Tensor],
-                 tolerance: float | None) -> dict[str, Any]:
-    """The report's record of a lowering's error (`dtype`: what lowered it): `worst_error`'s
-    figures, and whether they are past `tolerance` (precision_tolerance)."""
-    relative, largest, mean = worst_error(expected, actual)
-    return {"dtype": dtype, "max_abs_error": largest, "mean_abs_error": mean, "relative_error": relative,
-            "tolerance": tolerance, "fell_back": tolerance is not None and not relative <= tolerance}
-
-
-def token_agreement(gm: torch.fx.GraphModule, expected: Sequence[torch.Tensor], actual: Sequence[torch.Tensor],
-                    steps: int) -> tuple[int, int] | None:
-    """(agreeing, compared): how many greedy tokens (argmax over the vocabulary) of the
-    graph's logits in `actual` equal full precision's in `expected`, over the first
-    `steps` positions of each sequence ([batch, vocab]: one per sequence; [batch, seq,
-    vocab]: the first `steps` of seq). Each position's token is the one predicted from
-    the same inputs (teacher-forced), not from an earlier token this graph chose.
-    None where the graph has no logits: no result whose last dim is the vocabulary of
-    an embedding it reads (the token ids a causal LM embeds)."""
-    tables = [value_of(n.args[0]) for n in gm.graph.find_nodes(op="call_function", target=aten.embedding.default)]
-    vocab = {table.shape[0] for table in tables if table is not None}
-    for e, a in zip(expected, actual):
-        if e.dtype.is_floating_point and e.dim() >= 2 and e.shape[-1] in vocab and e.numel():
-            e, a = (t.reshape(t.shape[0], -1, t.shape[-1])[:, :steps] for t in (e, a))
-            same = e.argmax(-1) == a.argmax(-1)
-            return int(same.sum()), same.numel()
-    return None
-
-
-def worst_error(expected: Sequence[torch.Tensor], actual: Sequence[torch.Tensor]) -> tuple[float, float, float]:
-    """(relative, max abs, mean abs error) of the result whose error is largest relative to
-    its largest magnitude. Per result, since a KV cache the graph writes, mostly zeros,
-    would drown a mean over all of them. An integer result that differs (an argmax that
-    flipped) makes the relative error infinite."""
-    worst = (0.0, 0.0, 0.0)
-    for e, a in zip(expected, actual):
-        if not e.dtype.is_floating_point:
-            worst = worst if torch.equal(e, a) else max(worst, (float("inf"), 0.0, 0.0))
-        elif e.numel():
-            diff = (e.double() - a.double()).abs()
-            magnitude, largest = e.double().abs().max().item(), diff.max().item()
-            relative = largest / magnitude if magnitude > 0 else (0.0 if largest == 0 else float("inf"))
-            worst = max(worst, (relative, largest, diff.mean().item()))
-    return worst
-
-
-def over_tolerance(name: str, error: dict[str, Any]) -> str:
-    """The fallback message of pass `name`'s error past its tolerance."""
-    return (f"{name} ({error['dtype']}): the graph's error against full precision, max abs "
-            f"{error['max_abs_error']:.3g} (mean {error['mean_abs_error']:.3g}), is {error['relative_error']:.3g} "
-            f"of its output's largest magnitude, over precision_tolerance={error['tolerance']:g}; the pass is "
-            "undone for this graph (raise precision_tolerance to accept the error)")

@@ -6,7 +6,7 @@ a quarter or an eighth of float32's weight bytes.
 
 The kernels' fast paths take bfloat16 activations (float32 ones go to loops tens of
 times slower), so the linear's input is cast to bfloat16 for them and the result cast
-back; the error of both is measured with lower_precision's (`precision.measured_error`).
+back; the error of both is measured with lower_precision's (`lowered_error.measured_error`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.fx
 
 from .._compat import fake
-from .base import PassResult, erase_dead, value_of
+from .base import PassResult, erase_dead, value_of, vocabularies
 from .constant_fold import constant_nodes, fold_node
 from .strides import fake_run
 
@@ -27,6 +27,13 @@ _CAST = prims.convert_element_type.default
 
 # Set by the manager: the weight format (absent: the pass does nothing).
 WEIGHT_QUANTIZATION = "graphopt_weight_quantization"
+# Set by the manager on a retry (`finer_logits`): the format of the product whose rows are
+# the logits (a causal LM's output projection), "float" for its float weight.
+LOGITS_FORMAT = "graphopt_logits_weight_format"
+# The formats the logits' product is given in turn before a graph's quantization is undone:
+# its error reaches every token's probability at once, and it is one layer of many (llama.cpp's
+# Q4_K_M keeps the output weight at 6 bits for that).
+_FINER = {"int4": ("int8", "float"), "int8": ("float",)}
 # The int8 values a weight takes: -127..127, symmetric, so a scale maps max|w| to 127.
 _LEVELS = 127
 # How many int4 weights along the reduction dim share a scale and a zero (the kernel takes
@@ -65,20 +72,40 @@ def quantize_weights(gm: torch.fx.GraphModule) -> PassResult:
     when at most one of its leading sizes is symbolic. At level 2 Inductor lowers the
     kernel call itself (extern ATen kernel, or its C++ GEMM template where autotuning picks it).
     """
-    fmt = _formats().get(gm.meta.get(WEIGHT_QUANTIZATION))
+    formats = _formats()
+    fmt = formats.get(gm.meta.get(WEIGHT_QUANTIZATION))
     fake_mode = fake.fake_mode_of(gm)
     if fmt is None or fake_mode is None:
         return PassResult(changed=False)
-    constants = constant_nodes(gm)
+    logits_fmt = formats.get(gm.meta.get(LOGITS_FORMAT, gm.meta[WEIGHT_QUANTIZATION]))
+    constants, vocab = constant_nodes(gm), vocabularies(gm)
     counts: dict[str, int] = {}
     for node in list(gm.graph.nodes):
         operands = _operands(node)
         # An mm is a linear's only on a weight: products of two activations are not counted.
         if operands is None or (node.target is not aten.linear.default and operands[1] not in constants):
             continue
-        kind = "quantized" if _quantize(gm, node, operands, constants, fmt, fake_mode) else "skipped"
+        logits = _rows(operands[1]) in vocab
+        done = (logits_fmt if logits else fmt) is not None and \
+            _quantize(gm, node, operands, constants, logits_fmt if logits else fmt, fake_mode)
+        kind = ("logits " if logits else "") + ("quantized" if done else "skipped")
         counts[kind] = counts.get(kind, 0) + 1
-    return PassResult(changed="quantized" in counts, counts=counts)
+    return PassResult(changed=bool(counts.keys() & {"quantized", "logits quantized"}), counts=counts)
+
+
+def finer_logits(gm: torch.fx.GraphModule, result: PassResult) -> str | None:
+    """The next finer format for the logits' product of `gm`, after `result` (this pass's)
+    quantized it: "int8" after int4, "float" after int8; None where it has the finest."""
+    if not result.counts.get("logits quantized"):
+        return None
+    finer = _FINER[gm.meta[WEIGHT_QUANTIZATION]]
+    now = gm.meta.get(LOGITS_FORMAT)
+    return finer[0] if now is None else next(iter(finer[finer.index(now) + 1:]), None)
+
+
+def _rows(weight: torch.fx.Node) -> int | None:
+    value = value_of(weight)
+    return int(value.shape[0]) if value is not None and value.dim() == 2 else None
 
 
 def _formats() -> dict[str, _Format]:
