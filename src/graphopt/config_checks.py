@@ -44,7 +44,8 @@ def check_choice(key: str, value: object, choices: tuple[str, ...], optional: bo
 
 
 def check_tolerance(key: str, value: object) -> None:
-    accepted = f"{key} must be a number > 0 (a causal LM's next-token KL in nats, else a fraction of the output's largest magnitude) or null for no bound"
+    accepted = (f"{key} must be a number > 0 (a causal LM's next-token KL in nats, else a fraction of the output's "
+                "largest magnitude) or null for no bound")
     if value is None:
         return
     if not isinstance(value, (int, float)) or isinstance(value, bool):
