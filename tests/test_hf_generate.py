@@ -22,7 +22,7 @@ from support import unexpected_fallbacks
 
 import graphopt
 from graphopt import FallbackKind
-from graphopt._compat import inductor
+from graphopt._compat import inductor, mkldnn
 
 transformers = pytest.importorskip("transformers")
 
@@ -277,6 +277,27 @@ def test_llama_generate_under_inference_mode_times_both_levels_and_keeps_eagers_
     report = graphopt.backends()[-1].report()
     assert [set(c["seconds"]) for c in report.level_choices] == [{"1", "2"}] * 2, report.level_choices
     assert FallbackKind.LEVEL not in report.fallback_counts, report.fallbacks
+
+
+@pytest.mark.fresh_cache
+def test_a_deferred_level_2_fuses_frozen_qkv_weights_whose_fake_sizes_are_symbols(monkeypatch) -> None:
+    """Level 2 started at a later call traces the graph again, and a frozen weight's fake
+    value may carry a size symbol there: the fused Q/K/V's split sizes must come from
+    the real weights (a symbol in a graph's arguments failed the bfloat16 error
+    measurement, which runs the graph, with "NameError: name 's19' is not defined")."""
+    skip_without_inductor(2)
+    monkeypatch.setattr(mkldnn, "cpu_has_native_bf16", lambda: True)
+    eager, model = twins("llama")
+    options = {"max_num_seqs": MAX_NUM_SEQS, "freeze_parameters": True, "compute_dtype": "bfloat16"}
+    model.forward = torch.compile(model.forward, backend="graphopt", options=options)
+    ids = prompt(1)
+    with torch.no_grad():
+        generate(model, ids)
+        assert graphopt.wait_for_background(timeout=600)
+        generate(model, ids)
+    report = graphopt.backends()[-1].report()
+    assert not [r for r in report.fallbacks if "is not defined" in r], report.fallbacks
+    assert {"1", "2"} in [set(c["seconds"]) for c in report.level_choices], report.level_choices
 
 
 @pytest.mark.parametrize("frozen", [False, True])

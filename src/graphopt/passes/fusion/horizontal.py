@@ -95,7 +95,11 @@ def _fuse(gm: torch.fx.GraphModule, group: list[DecomposedLinear], fake_mode: An
         for const in (linear.weight, linear.bias):
             if const is not None and const.op == "get_attr" and order[const] > order[anchor]:
                 anchor.prepend(const)  # attributes read nothing: any place before works
-    sizes = [linear.weight.meta["val"].shape[0] for linear in group]
+    # From the real weights: in a compile after Dynamo's (level 2 started later) a frozen
+    # parameter's fake value may carry a size symbol, which a graph's arguments cannot name.
+    frozen = gm.meta[FROZEN_INPUTS]
+    sizes = [int((frozen[w.name] if w.op == "placeholder" else getattr(gm, w.target)).shape[0])
+             for w in (linear.weight for linear in group)]
     added: list[torch.fx.Node] = []
 
     def add(target: Any, *args: Any, **kwargs: Any) -> torch.fx.Node:
