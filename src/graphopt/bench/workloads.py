@@ -320,9 +320,23 @@ def serving_small(sizes: Sizes) -> Workload:
     return trace_workload(sizes, "serving-small", SMALL_SIZES)
 
 
+def gemma3_270m(sizes: Sizes) -> Workload:
+    """Gemma-3 270M, a real checkpoint, through generate() (checkpoints.py)."""
+    from .checkpoints import gemma3_270m as gemma
+
+    return gemma(sizes)
+
+
+def minilm(sizes: Sizes) -> Workload:
+    """all-MiniLM-L6-v2, a real checkpoint, as sentence embeddings (checkpoints.py)."""
+    from .checkpoints import minilm as encoder
+
+    return encoder(sizes)
+
+
 WORKLOADS: dict[str, Callable[[Sizes], Workload]] = {
     "decoder": decoder, "hf-llama": hf_llama, "resnet": resnet, "bert": bert,
     "resnet18": resnet18, "bert-base": bert_base, "serving": serving, "serving-small": serving_small,
-    "decoder-1b": decoder_1b}
+    "decoder-1b": decoder_1b, "gemma3-270m": gemma3_270m, "minilm": minilm}
 # Run only when named or with `graphopt bench --large`: minutes each at one thread.
-LARGE = ("resnet18", "bert-base", "serving", "serving-small", "decoder-1b")
+LARGE = ("resnet18", "bert-base", "serving", "serving-small", "decoder-1b", "gemma3-270m", "minilm")

