@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 
 from .fake import outside_fake_mode
 
@@ -106,7 +107,8 @@ class _Printed:
 
 class _PatternPickler(pickle.Pickler):
     """Inductor's patterns are plain objects but for the operators they name, which
-    pickle by name here."""
+    pickle by name here, and pytree's leaf spec, which loads as pytree's own shared one:
+    a `LeafSpec` made by unpickling warns on stderr that the class is deprecated (2.13)."""
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch._ops.OpOverload):
@@ -114,6 +116,9 @@ class _PatternPickler(pickle.Pickler):
         if isinstance(obj, torch._ops.OpOverloadPacket):
             namespace, name = obj._qualified_op_name.split("::")
             return _operator, (namespace, name, None)
+        leaf = getattr(pytree, "treespec_leaf", None)
+        if leaf is not None and isinstance(obj, pytree.TreeSpec) and obj.is_leaf():
+            return leaf, ()
         return NotImplemented
 
 

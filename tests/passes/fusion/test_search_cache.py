@@ -119,3 +119,18 @@ def test_every_builtin_search_pattern_survives_the_round_trip_and_owns_its_key(l
             assert first[1:] == (printed(traced), text), f"{pattern.name} shares a key with {first[0]}"
             checked += 1
     assert checked >= 10
+
+
+def test_a_stored_pattern_with_pytree_leaves_loads_without_a_warning():
+    """Inductor's patterns hold pytree specs, whose leaves are `LeafSpec`s: unpickled as
+    such, torch 2.13 warned on stderr that the class is deprecated."""
+    import warnings
+
+    import torch.utils._pytree as pytree
+
+    spec = pytree.tree_flatten([1, [2, 3]])[1]
+    [data] = patterns._dump_search(spec, "a nested list")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded, text = patterns._load_search(data)
+    assert loaded == spec and text == "a nested list"
