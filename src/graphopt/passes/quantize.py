@@ -71,6 +71,9 @@ def quantize_weights(gm: torch.fx.GraphModule) -> PassResult:
     counted as skipped. An input of more than two dims is flattened to rows and back
     when at most one of its leading sizes is symbolic. At level 2 Inductor lowers the
     kernel call itself (extern ATen kernel, or its C++ GEMM template where autotuning picks it).
+    A product whose weight's rows are the vocabulary of an embedding the graph reads (a
+    causal LM's output projection) takes `gm.meta[LOGITS_FORMAT]` where the manager set
+    one on a retry, counted apart ("logits quantized" / "logits skipped").
     """
     formats = _formats()
     fmt = formats.get(gm.meta.get(WEIGHT_QUANTIZATION))
