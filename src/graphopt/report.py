@@ -10,6 +10,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from .report_text import render
+
 log = logging.getLogger("graphopt")
 
 
@@ -301,101 +303,4 @@ class Report:
         }
 
     def __str__(self) -> str:
-        lines = [f"graphopt report: graph_opt_level={self.level}, {len(self.graphs)} graph(s), "
-                 f"compile {self.compile_seconds:.2f}s"]
-        for g in self.graphs:
-            how = "compiled in"
-            if g.cache_hit:
-                how = "loaded from the compile cache in" if g.traced else \
-                    "loaded from the compile cache with its stored Dynamo trace in"
-            level = f" (level {g.level})" if self.level == "auto" else ""
-            lines.append(f"  graph {g.index}{level}: {g.nodes_before} -> {g.nodes_after} nodes, "
-                         f"{how} {g.compile_seconds:.2f}s")
-            if g.fused_ops:
-                lines.append("    fused ops: " + ", ".join(f"{k}={v}" for k, v in g.fused_ops.items()))
-            lines.extend(f"    GEMM {gemm}: {choice}" for gemm, choice in g.gemms.items())
-            if g.precision:
-                lines.append(_precision_line(g.precision))
-            for p in (p for p in self.passes if p.graph == g.index):
-                counts = ", ".join(f"{k}={v}" for k, v in p.counts.items()) or "-"
-                mark = "changed" if p.changed else "no change"
-                lines.append(f"    {p.name:<28} {mark:<10} {counts}")
-            lines.extend(f"    memory at {', '.join(f'{k}={v}' for k, v in m.sizes.items()) or 'static sizes'}: "
-                         f"{m.buffers} buffers, naive {m.naive_bytes / 1024:.1f} KiB, planned "
-                         f"{m.planned_bytes / 1024:.1f} KiB, largest {m.largest_buffer_bytes / 1024:.1f} KiB"
-                         for m in self.memory if m.graph == g.index)
-        if self.cache_hits or self.cache_misses:
-            lines.append(f"  compile cache: {self.cache_hits} hits, {self.cache_misses} misses"
-                         + (f" ({self.cache_rebuilt} broken entries rebuilt)" if self.cache_rebuilt else "")
-                         + f", {self.traces_used} stored traces used, {self.traces_stored} stored")
-        if self.repacks:
-            lines.append(f"  refresh(): {self.repacks} graph(s) compiled again for Inductor's packed weights")
-        lines.extend(f"  frozen weights changed, refreshed {n} time(s): {why}"
-                     for why, n in self.weight_refreshes.items())
-        lines.extend(_choice_line(c) for c in self.level_choices)
-        lines.extend(line for e in self.executors for line in _executor_lines(e))
-        if self.captures or self.pieces:
-            sizes = ", ".join(str(c.size) for c in self.captures)
-            lines.append(f"  device graphs: {len(self.captures)} captured (sizes {sizes or '-'}), pool "
-                         f"{self.pool_bytes / 2**20:.2f} MiB, {self.replays} replays, "
-                         f"{self.recaptures} recaptures, {self.rebinds} rebinds, {self.recompiles} recompiles")
-            lines.extend(f"    {n} x recaptured: {reason}" for reason, n in self.recapture_reasons.items())
-            lines.append(f"    {self.steps_replayed} of {self.steps} steps replayed, {self.padded_rows} padded rows, "
-                         f"{self.held_copies} held outputs copied out, capture {self.capture_seconds:.2f}s")
-            lines.extend(f"    {r.piece} at size {r.size}: capture refused by graph_memory_budget, needed "
-                         f"{r.needed} bytes, {r.available} available" for r in self.budget_refusals)
-            lines.extend(_plan_lines(p) for p in self.plans)
-            lines.extend(f"    graph {graph}: {how}" for graph, how in self.batches.items())
-            for piece in (p for graph in self.pieces for p in graph if len(graph) > 1):
-                how = "captured" if piece.split_reason is None else f"runs between replays: {piece.split_reason}"
-                lines.append(f"    {piece.name}: {how} ({piece.captures} captures, {piece.replays} replays)")
-        if self.notes:
-            lines.append("  notes:")
-            lines.extend(f"    {note}" for note in self.notes)
-        if self.fallbacks:
-            lines.append("  fallbacks:")
-            lines.extend(f"    {n} x {self.fallback_kinds[reason].value}: {reason}"
-                         for reason, n in self.fallbacks.items())
-        lines.extend(f"  {n} x recompiled: {reason}" for reason, n in self.recompile_reasons.items())
-        return "\n".join(lines)
-
-
-def _choice_line(choice: dict[str, Any]) -> str:
-    head = f"  level of graph {choice['graph']}: "
-    if "level" not in choice:
-        return head + "chosen at its first call"
-    timed = ", ".join(f"level {k} {v * 1e6:.0f} us" for k, v in choice["seconds"].items() if v)
-    cached = ", chosen in an earlier process" if choice.get("cached") else ""
-    return head + f"{choice['level']} ({choice['reason']}{'; ' + timed if timed else ''}{cached})"
-
-
-def _executor_lines(e: dict[str, Any]) -> list[str]:
-    """A graph's executor and each candidate's median; a candidate below float32's error."""
-    timed = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in e["seconds"].items())
-    return [f"  executor of graph {e['graph']}: {e['executor']} ({timed or e['reason']})",
-            *(f"    {name} ({err['dtype']}): max abs error {err['max_abs_error']:.3g}, mean "
-              f"{err['mean_abs_error']:.3g}, {err['relative_error']:.3g} of the output's magnitude"
-              + (" (over precision_tolerance: not a candidate)" if err["fell_back"] else "")
-              for name, err in e.get("precision", {}).items())]
-
-
-def _precision_line(error: dict[str, Any]) -> str:
-    kept = "kept" if not error["fell_back"] else f"over precision_tolerance={error['tolerance']:g}: full precision"
-    tokens = ""
-    if "logits_kl" in error:  # a causal LM's logits, judged by their KL (passes/lowered_error.py)
-        tokens = (f", next-token KL {error['logits_kl']:.3g} nats, greedy tokens agree on "
-                  f"{round(error['token_agreement'] * error['tokens_compared'])} of "
-                  f"{error['tokens_compared']} ({100 * error['token_agreement']:.3g}%)")
-    if "logits_weights" in error:
-        tokens += f", the logits' projection in {error['logits_weights']}"
-    return (f"    lower precision ({error['dtype']}): max abs error {error['max_abs_error']:.3g}, mean "
-            f"{error['mean_abs_error']:.3g}, {error['relative_error']:.3g} of the output's magnitude{tokens} ({kept})")
-
-
-def _plan_lines(plan: PlanRecord) -> str:
-    histogram = ", ".join(f"{size}: {n}" for size, n in sorted(plan.histogram.items()))
-    lines = [f"    graph {plan.graph} capture sizes \"auto\": {plan.sizes or '-'} after {plan.replans} plans "
-             f"({plan.released} sizes released), expected padding {plan.expected_padded_rows:g} rows",
-             f"      batch sizes seen: {histogram or '-'}"]
-    lines.extend(f"      {reason}" for reason in plan.reasons)
-    return "\n".join(lines)
+        return render(self)
