@@ -161,5 +161,3 @@ def _manual_page() -> str:
     from pydoc_data.topics import topics
 
     return topics["objects"]
-
-

@@ -108,8 +108,7 @@ class Snapshot:
         unchanged = earlier is not None and same_state(earlier.state, self.state)
         self.metas = earlier.metas if unchanged else [(dict(n.meta), n.type) for n in gm.graph.nodes]
         self.attributes = _attributes(gm)
-        # A pass may add to a dict of gm.meta in place (fold_constants' refresh recipes).
-        self.meta = {key: dict(value) if isinstance(value, dict) else value for key, value in gm.meta.items()}
+        self.meta = _meta_copy(gm.meta)
 
     def restore(self, gm: torch.fx.GraphModule) -> None:
         """Put the saved nodes back into gm's own Graph object (Inductor holds on to it
@@ -142,9 +141,15 @@ class Snapshot:
             else:
                 setattr(gm, name, value)
         gm.meta.clear()
-        # Copies again: a pass run after the restore adds to them in place, and the snapshot
-        # may be restored once more (the logits' finer formats, manager.py).
-        gm.meta.update({key: dict(value) if isinstance(value, dict) else value for key, value in self.meta.items()})
+        # A copy again: a pass run after the restore adds to it, and the snapshot may be
+        # restored once more (the logits' finer formats, manager.py).
+        gm.meta.update(_meta_copy(self.meta))
+
+
+def _meta_copy(meta: dict) -> dict:
+    """`meta` with each dict in it copied: a pass may add to a dict of gm.meta in place
+    (fold_constants' refresh recipes)."""
+    return {key: dict(value) if isinstance(value, dict) else value for key, value in meta.items()}
 
 
 def _attributes(gm: torch.fx.GraphModule) -> dict[str, tuple[str, Any]]:

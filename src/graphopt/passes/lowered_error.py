@@ -58,9 +58,12 @@ def token_agreement(gm: torch.fx.GraphModule, expected: Sequence[torch.Tensor], 
     inputs (teacher-forced), not from an earlier token this graph chose. None where the
     graph has no logits."""
     pair = logits(vocabularies(gm), expected, actual, steps)
-    if pair is None:
-        return None
-    same = pair[0].argmax(-1) == pair[1].argmax(-1)
+    return None if pair is None else _agreeing(*pair)
+
+
+def _agreeing(expected: torch.Tensor, actual: torch.Tensor) -> tuple[int, int]:
+    """(agreeing, compared) greedy tokens of two [batch, positions, vocab] logits."""
+    same = expected.argmax(-1) == actual.argmax(-1)
     return int(same.sum()), same.numel()
 
 
@@ -92,9 +95,8 @@ def error_record(dtype: str, expected: Sequence[torch.Tensor], actual: Sequence[
               "tolerance": tolerance}
     pair = logits(vocab, expected, actual, steps) if vocab else None
     if pair is not None:
-        same = pair[0].argmax(-1) == pair[1].argmax(-1)
-        record.update(logits_kl=mean_kl(*pair), token_agreement=int(same.sum()) / same.numel(),
-                      tokens_compared=same.numel())
+        agreeing, compared = _agreeing(*pair)
+        record.update(logits_kl=mean_kl(*pair), token_agreement=agreeing / compared, tokens_compared=compared)
     judged = record.get("logits_kl", relative)
     record["fell_back"] = tolerance is not None and not judged <= tolerance
     return record
