@@ -271,9 +271,9 @@ class Backend:
         background = tiers.background_compile(device_type(example_inputs), self.cache.off)
         in_compile = dynamo.later_in_this_compile()
 
-        def compile_at(level: int) -> Callable:
+        def compile_at(level: int, inputs: Sequence[Any] | None = None) -> Callable:
             with in_compile():
-                return self._runtime_at(gm, example_inputs, level, fingerprint)[0]
+                return self._runtime_at(gm, example_inputs if inputs is None else inputs, level, fingerprint)[0]
 
         runtime = tiers.choose(compile_at, gm,
                                stateful, record, self._report, functools.partial(self.cache.store_choice, key),

@@ -45,6 +45,12 @@ UNCHOSEN = "graph_opt_level='auto' chooses its level at its first call"
 # device graph, so a tie is not worth Inductor's compile in every later process.
 MARGIN = 0.97
 ROUNDS, ROUND_SECONDS = 7, 0.02
+# A written input of at most this many bytes is copied at a graph's first call, so that a
+# level 2 started later by wait_for_background() is traced and measured on that call's
+# state: a cache's length counter that has run on to its end indexes past the cache. A
+# larger one (the cache itself) is not: its copy would double it while level 2 waits, and
+# its values index nothing.
+SMALL_STATE_BYTES = 1 << 16
 # The level 2 compiles running in child processes, and the choices whose level 2 is still
 # to start, for wait_for_background().
 _PENDING: weakref.WeakSet[background.BackgroundCompile] = weakref.WeakSet()
@@ -69,12 +75,12 @@ class LevelChoice:
                  clock: Callable[[], float] = time.perf_counter, pending: background.BackgroundCompile | None = None,
                  bound: lowered_error.Bound | None = None,
                  released: Callable[[Callable], None] = lambda runtime: None,
-                 later: Callable[[], tuple[Callable, background.BackgroundCompile]] | None = None):
+                 later: Callable[[Sequence[Any] | None], tuple[Callable, background.BackgroundCompile]] | None = None):
         self.runtimes, self.eager, self.stateful = runtimes, eager, stateful
         self.record, self.report, self.chosen, self.clock = record, report, chosen, clock
         self.pending, self.bound, self.released = pending, bound, released
         self.run: Callable = self._first if pending is None else self._waiting
-        self.later, self._starting = later, threading.Lock()
+        self.later, self._starting, self.first_inputs = later, threading.Lock(), None
         if later is not None:
             self.run = self._level_1_first
             _UNSTARTED.add(self)
@@ -90,24 +96,29 @@ class LevelChoice:
         return candidates.median_seconds(agreeing, args, ROUNDS, ROUND_SECONDS, state.restore, self.clock)
 
     def _level_1_first(self, *args: Any) -> Any:
-        """The first call: level 1 serves it, the next one starts level 2."""
+        """The first call: level 1 serves it, the next one starts level 2 on its own inputs
+        (a wait_for_background() before then, on this call's, small state as it was)."""
+        self.first_inputs = [x.detach().clone() if i in self.stateful and x.nbytes <= SMALL_STATE_BYTES else x
+                             for i, x in enumerate(args)]
         self.run = self._start_then_run
         return self.runtimes[1](*args)
 
     def _start_then_run(self, *args: Any) -> Any:
-        self.start_level_2()
+        self.start_level_2(args)
         return self.run(*args)
 
-    def start_level_2(self) -> None:
-        """Compile level 2 now where it waits for the second call: traced and passed here,
-        its code generated in the child. One that fails leaves level 1 serving, and says why."""
+    def start_level_2(self, args: Sequence[Any] | None = None) -> None:
+        """Compile level 2 now where it waits for the second call: traced and passed here on
+        `args` (a call's, before it runs; else the first call's), its code generated in the
+        child. One that fails leaves level 1 serving, and says why."""
         with self._starting:
             later, self.later = self.later, None
             if later is None:
                 return
             _UNSTARTED.discard(self)
+            inputs, self.first_inputs = (args if args is not None else self.first_inputs), None
             try:
-                self.runtimes[2], self.pending = later()
+                self.runtimes[2], self.pending = later(inputs)
             except Exception as error:  # noqa: BLE001 - Inductor failing on a graph must not fail the model
                 self._level_1_for_good(_failed_to_compile(error))
                 return
@@ -186,7 +197,7 @@ def precision_bound(config: GraphOptimizationConfig, gm: torch.fx.GraphModule) -
     return lowered_error.Bound(tolerance, lowered_error.vocabularies(gm), config.token_agreement_steps)
 
 
-def choose(compile_at: Callable[[int], Callable], eager: Callable, stateful: list[int], record: dict[str, Any],
+def choose(compile_at: Callable[..., Callable], eager: Callable, stateful: list[int], record: dict[str, Any],
            report: Report, chosen: Callable[[dict[str, Any]], None],
            in_background: Callable[[], ContextManager] | None = None, bound: lowered_error.Bound | None = None,
            released: Callable[[Callable], None] = lambda runtime: None) -> Callable:
@@ -194,7 +205,8 @@ def choose(compile_at: Callable[[int], Callable], eager: Callable, stateful: lis
     must compile (every graph gets it without "auto"); a level 2 that fails to compile
     leaves level 1 serving, and says why. With `in_background` (background_compile's
     context), level 2 starts at the graph's second call and its code is generated in a
-    child process; level 1 serves until it arrives. `released`: LevelChoice's."""
+    child process; level 1 serves until it arrives: `compile_at(2, inputs)` then traces and
+    measures on `inputs` (None: the graph's example inputs). `released`: LevelChoice's."""
     if in_background is None:
         runtimes = {1: compile_at(1)}
         try:
@@ -204,11 +216,11 @@ def choose(compile_at: Callable[[int], Callable], eager: Callable, stateful: lis
             return runtimes[1]
         return LevelChoice(runtimes, eager, stateful, record, report, chosen, bound=bound, released=released)
 
-    def in_child() -> tuple[Callable, background.BackgroundCompile]:
+    def in_child(inputs: Sequence[Any] | None) -> tuple[Callable, background.BackgroundCompile]:
         pending = background.BackgroundCompile(
             lambda why: report.fallback(FallbackKind.LEVEL, f"graph_opt_level='auto': graph {record['graph']}: {why}"))
         with in_background(), background.in_child(pending):
-            runtime = compile_at(2)
+            runtime = compile_at(2, inputs)
         for why in pending.in_foreground:
             report.fallback(FallbackKind.IN_FOREGROUND, f"graph_opt_level='auto': level 2 of graph {record['graph']} "
                             f"compiled during a call, not in a child process ({why})")

@@ -1,5 +1,5 @@
 """fuse_packed_linear: linears on frozen weights packed once for oneDNN, with the GELU
-or ReLU that follows as a post-op (level 1, CPU, float32 or native bfloat16); small GEMMs gated."""
+or ReLU that follows as a post-op (level 1, CPU, float32 or native bfloat16); small float32 GEMMs gated."""
 
 import copy
 
@@ -167,6 +167,16 @@ def test_a_gelu_between_casts_read_in_float32_stays_outside():
     args = (torch.randn(8, 64, 128, dtype=torch.bfloat16), torch.randn(96, 128, dtype=torch.bfloat16))
     graph, result = run_pass(gelu_between_casts_read_in_float32, args, {1})
     assert result.counts == {"linear": 1} and aten.gelu.default in targets(graph)
+
+
+@native_bf16
+def test_a_small_bfloat16_gemm_is_packed_where_float32_is_gated():
+    """oneDNN reorders a plain bfloat16 weight at every call: a decode step's one-row
+    GEMMs, gated in float32, are packed in bfloat16."""
+    args = (torch.randn(2, 8, 16), torch.randn(8, 16), torch.randn(8))
+    graph, result = run_pass(linear_relu, tuple(a.bfloat16() for a in args), {1, 2})
+    assert result.counts == {"linear_relu": 1}
+    assert targets(graph) == [mkldnn.linear_pointwise(), aten.sum.default]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -51,14 +51,16 @@ def decode_attention_loses(device: torch.device, query_len: int | torch.SymInt) 
 PACKED_LINEAR_MIN_MACS = 1 << 22
 
 
-def packed_linear_loses(rows: int, in_features: int, out_features: int) -> bool:
-    """Small GEMMs: rows x in x out < 2**22 multiply-adds (rows: the traced batch's).
+def packed_linear_loses(rows: int, in_features: int, out_features: int, dtype: torch.dtype) -> bool:
+    """Small float32 GEMMs: rows x in x out < 2**22 multiply-adds (rows: the traced batch's).
 
     There oneDNN's per-call cost outweighs the packed weight: the small BERT encoder
-    at batch 1 ran slower packed, at batch 8 and on BERT-base faster (docs/fusion.md,
+    at batch 1 ran slower packed, at batch 8 and on BERT-base faster. Never in
+    bfloat16: oneDNN reorders a plain bfloat16 weight at every call, so the packed one
+    was faster at every shape measured, down to one row of 384 x 384 (docs/fusion.md,
     "Fusion gates").
     """
-    return ENABLED and rows * in_features * out_features < PACKED_LINEAR_MIN_MACS
+    return ENABLED and dtype == torch.float32 and rows * in_features * out_features < PACKED_LINEAR_MIN_MACS
 
 
 def add_layer_norm_loses(device: torch.device, dtype: torch.dtype) -> bool:

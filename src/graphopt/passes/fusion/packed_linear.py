@@ -34,8 +34,8 @@ def fuse_packed_linear(gm: torch.fx.GraphModule) -> PassResult:
     float32, or in bfloat16 where the CPU multiplies it natively (`compute_dtype`'s
     linears: oneDNN reorders a plain bfloat16 weight at every call), for a 2-D weight
     and a bias (or none) that are frozen parameters or constants the graph neither
-    writes nor returns, and where oneDNN is built in; not for small GEMMs, where it
-    loses (`gates.packed_linear_loses`, counted as `gated`).
+    writes nor returns, and where oneDNN is built in; not for small float32 GEMMs,
+    where it loses (`gates.packed_linear_loses`, counted as `gated`).
     """
     if not gm.meta.get(FROZEN_INPUTS) or not mkldnn.available():
         return PassResult(changed=False)
@@ -105,7 +105,7 @@ def _fuse(gm: torch.fx.GraphModule, linear: torch.fx.Node, facts: GraphFacts) ->
             and (b is None or frozen_constant(gm, b, facts))):
         return ""
     rows = max(int(shapes.size_hint(xv.numel() // xv.shape[-1])), 1) if xv.dim() and xv.shape[-1] else 1
-    if gates.packed_linear_loses(rows, *reversed(wv.shape)):
+    if gates.packed_linear_loses(rows, *reversed(wv.shape), xv.dtype):
         return "gated"
     last, unary, algorithm = _post_op(linear, xv.dtype)
     with gm.graph.inserting_before(last):

@@ -1,0 +1,51 @@
+"""A level 2 started after its graph's first call (graph_opt_level="auto" on the CPU):
+traced and measured on the state the first call saw, not on where the model has run
+on to since."""
+
+import torch
+
+import graphopt
+from graphopt.backend import tiers
+
+
+class CountedCache(torch.nn.Module):
+    """A static cache's two pieces of state: its rows, and a length counter that says
+    where the next row goes (transformers' StaticCache keeps one per layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.register_buffer("rows", torch.zeros(4, 16))
+        self.register_buffer("length", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.rows.index_copy_(0, self.length.view(1), self.proj(x)[None])
+        self.length.add_(1)
+        return self.rows.sum(0)
+
+    def reset(self):
+        self.rows.zero_()
+        self.length.zero_()
+
+
+def test_wait_for_background_measures_a_deferred_level_2_on_the_first_calls_state():
+    """generate() runs a graph once (its prefill), then other graphs advance the cache's
+    counter to its end; wait_for_background() then starts the prefill's level 2. Measured
+    on the counter as it is now, the lowered graph indexed past the cache ("index 4 is out
+    of bounds"), and level 2 failed for good."""
+    torch.manual_seed(0)
+    model, x = CountedCache().eval(), torch.randn(16)
+    config = graphopt.GraphOptimizationConfig(graph_opt_level="auto", cache_dir=None, use_cudagraph=False,
+                                              compute_dtype="bfloat16")
+    with torch.no_grad():
+        expected = model(x)
+        model.reset()
+        optimized = graphopt.optimize(model, config)
+        torch.testing.assert_close(optimized(x), expected, atol=0.05, rtol=0.05)
+        model.length.fill_(4)  # run on to the cache's end by the other graphs
+        assert tiers.wait_for_background(timeout=600)
+        model.reset()
+        torch.testing.assert_close(optimized(x), expected, atol=0.05, rtol=0.05)  # the choice
+    [choice] = optimized.report().level_choices
+    assert set(choice["seconds"]) == {"1", "2"}, choice
+    assert not optimized.report().fallbacks
