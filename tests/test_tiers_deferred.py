@@ -49,3 +49,20 @@ def test_wait_for_background_measures_a_deferred_level_2_on_the_first_calls_stat
     [choice] = optimized.report().level_choices
     assert set(choice["seconds"]) == {"1", "2"}, choice
     assert not optimized.report().fallbacks
+
+
+def test_a_deferred_level_2_keeps_the_sizes_dynamo_traced_as_static():
+    """Dynamo forgets each input's symbolic context when the compile of a registered
+    backend ends; a level 2 traced after that made every size a symbol, the weights'
+    too, so Inductor never packed a GEMM weight for its template."""
+    torch.manual_seed(0)
+    model, x = CountedCache().eval(), torch.randn(16)
+    options = dict(graph_opt_level="auto", cache_dir=None, use_cudagraph=False)
+    model.forward = torch.compile(model.forward, backend="graphopt", options=options)
+    with torch.no_grad():
+        model(x)
+        model(x)  # starts level 2
+        assert graphopt.wait_for_background(timeout=600)
+    level_1, level_2 = graphopt.backends()[-1].graph_modules
+    sizes = [[tuple(n.meta["val"].shape) for n in gm.graph.find_nodes(op="placeholder")] for gm in (level_1, level_2)]
+    assert sizes[0] == sizes[1] == [(4, 16), (), (16, 16), (16,), (16,)]

@@ -63,15 +63,30 @@ def later_in_this_compile() -> Callable[[], Any]:
     """A context that puts back, for a compile of the graph after Dynamo handed it over
     (level 2 started at a later call), what Dynamo compiled it in: its tracing context
     (fake mode and shape environment: without them the compile specialises the graph's
-    symbolic sizes to its example inputs') and the grad and inference modes (a later call
-    outside `torch.no_grad()` would have AOTAutograd trace a backward graph)."""
+    symbolic sizes to its example inputs'), each input's symbolic context, and the grad
+    and inference modes (a later call outside `torch.no_grad()` would have AOTAutograd
+    trace a backward graph).
+
+    Dynamo forgets the symbolic contexts when a registered backend's compile ends
+    (`config.invalidate_compile_context_weakrefs`); without them AOTAutograd makes every
+    size of every input a symbol, the weights' too, and Inductor's GEMM template, which
+    packs a weight of known size, is never tried (Gemma-3's deferred level 2 ran its
+    GEMMs on ATen, 5.8x slower than level 1)."""
     from torch._guards import TracingContext, tracing
+    from torch.utils.weak import WeakTensorKeyDictionary
 
     context, modes = TracingContext.try_get(), modes_of_now()
+    symbolic = WeakTensorKeyDictionary()
+    if context is not None:
+        for tensor, symbolic_context in context.tensor_to_context.items():
+            symbolic[tensor] = symbolic_context
 
     @contextlib.contextmanager
     def again() -> Any:
         with (tracing(context) if context is not None else contextlib.nullcontext()), modes():
+            if context is not None:
+                for tensor, symbolic_context in symbolic.items():
+                    context.tensor_to_context[tensor] = symbolic_context
             yield
 
     return again
