@@ -28,13 +28,11 @@ from ..report import FallbackKind
 from .base import PassResult, erase_dead, value_of
 from .constant_fold import FOLDED_RECIPES, FROZEN_INPUTS, constant_nodes, fold_node
 from .fusion.conv import add_packed, drop_packed
-from .quantize import WEIGHT_QUANTIZATION
+from .quantize import COMPUTE_DTYPE, WEIGHT_QUANTIZATION
 from .strides import fake_run
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
-# Set by the manager: the dtype the table's "lower" ops compute in (absent: the pass does nothing).
-COMPUTE_DTYPE = "graphopt_compute_dtype"
 # Set by the manager: the error this pass's rewrite measured (`output_error`).
 PRECISION_ERROR = "graphopt_precision_error"
 # Set by the manager: how many positions of each sequence the greedy-token agreement compares.

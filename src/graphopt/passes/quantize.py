@@ -17,7 +17,8 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from .._compat import fake
+from .._compat import fake, shapes
+from . import quantize_timing
 from .base import PassResult, erase_dead, value_of, vocabularies
 from .constant_fold import constant_nodes, fold_node
 from .strides import fake_run
@@ -27,6 +28,9 @@ _CAST = prims.convert_element_type.default
 
 # Set by the manager: the weight format (absent: the pass does nothing).
 WEIGHT_QUANTIZATION = "graphopt_weight_quantization"
+# Set by the manager: the dtype lower_precision's "lower" ops, the linears among them,
+# compute in (absent: that pass does nothing, and quantize_timing times float32).
+COMPUTE_DTYPE = "graphopt_compute_dtype"
 # Set by the manager on a retry (`finer_logits`): the format of the product whose rows are
 # the logits (a causal LM's output projection), "float" for its float weight.
 LOGITS_FORMAT = "graphopt_logits_weight_format"
@@ -45,6 +49,7 @@ INT4_GROUP = 32
 
 @dataclass(frozen=True)
 class _Format:
+    name: str  # weight_quantization's
     kernel: Any  # the fused kernel: kernel(x in bfloat16 [rows, K], *operands) -> [rows, N] in bfloat16
     operands: Callable  # (gm, w, fake_mode) -> the kernel's arguments after x; their nodes are folded
     fits: Callable[[int, int], bool]  # (N, K) -> whether the kernel takes a weight [N, K]
@@ -89,9 +94,9 @@ def quantize_weights(gm: torch.fx.GraphModule) -> PassResult:
         if operands is None or (node.target is not aten.linear.default and operands[1] not in constants):
             continue
         logits = _rows(operands[1]) in vocab
-        done = (logits_fmt if logits else fmt) is not None and \
-            _quantize(gm, node, operands, constants, logits_fmt if logits else fmt, fake_mode)
-        kind = ("logits " if logits else "") + ("quantized" if done else "skipped")
+        chosen = logits_fmt if logits else fmt
+        done = "skipped" if chosen is None else _quantize(gm, node, operands, constants, chosen, fake_mode)
+        kind = ("logits " if logits else "") + done
         counts[kind] = counts.get(kind, 0) + 1
     return PassResult(changed=bool(counts.keys() & {"quantized", "logits quantized"}), counts=counts)
 
@@ -116,10 +121,10 @@ def _formats() -> dict[str, _Format]:
     formats = {}
     if hasattr(aten, "_weight_int8pack_mm"):
         # The kernel reads the reduction dim in blocks of 16: other sizes give wrong results or crash.
-        formats["int8"] = _Format(aten._weight_int8pack_mm.default, _int8_operands, lambda n, k: k % 16 == 0)
+        formats["int8"] = _Format("int8", aten._weight_int8pack_mm.default, _int8_operands, lambda n, k: k % 16 == 0)
     if hasattr(aten, "_weight_int4pack_mm_for_cpu"):
         # The packing pairs output channels in blocks of 16; the kernel reads whole groups.
-        formats["int4"] = _Format(aten._weight_int4pack_mm_for_cpu.default, _int4_operands,
+        formats["int4"] = _Format("int4", aten._weight_int4pack_mm_for_cpu.default, _int4_operands,
                                   lambda n, k: n % 16 == 0 and k % INT4_GROUP == 0)
     return formats
 
@@ -148,15 +153,20 @@ def _is_transpose(node: torch.fx.Node) -> bool:
 
 
 def _quantize(gm: torch.fx.GraphModule, node: torch.fx.Node, operands: tuple, constants: set, fmt: _Format,
-              fake_mode) -> bool:
+              fake_mode) -> str:
+    """"quantized", "skipped" (a product the kernel cannot take), or "slower" (one whose
+    kernel lost to the float GEMM at the traced rows: quantize_timing.py)."""
     x, w, bias = operands
     xv, wv = value_of(x), value_of(w)
     if w not in constants or xv is None or wv is None or wv.dim() != 2 or not fmt.fits(*wv.shape) \
             or xv.dtype != torch.float32 or wv.dtype != torch.float32:
-        return False
+        return "skipped"
     lead = list(xv.shape[:-1])
     if not lead or sum(not isinstance(s, int) for s in lead) > 1:
-        return False
+        return "skipped"
+    rows = max(int(shapes.size_hint(xv.numel() // xv.shape[-1])), 1)
+    if quantize_timing.loses(fmt.name, rows, *wv.shape, gm.meta.get(COMPUTE_DTYPE) or torch.float32):
+        return "slower"
     with gm.graph.inserting_before(node):
         args = fmt.operands(gm, w, fake_mode)
         rows = x if len(lead) == 1 else _node(gm, aten.reshape.default, (x, [-1, wv.shape[1]]), fake_mode)
@@ -172,7 +182,7 @@ def _quantize(gm: torch.fx.GraphModule, node: torch.fx.Node, operands: tuple, co
     for arg in args:  # once something reads them: folding erases the constants nothing reads
         if isinstance(arg, torch.fx.Node):
             fold_node(gm, arg)
-    return True
+    return "quantized"
 
 
 def _int8_operands(gm: torch.fx.GraphModule, w: torch.fx.Node, fake_mode) -> tuple:

@@ -1,0 +1,72 @@
+"""quantize_weights keeps a product's float weight where its int8 or int4 kernel is slower
+at the traced rows (quantize_timing.py): on all-MiniLM-L6-v2 at batch 16 int8 weights
+made the encoder 1.9x slower than float32 eager."""
+
+import pytest
+import torch
+
+import graphopt
+from graphopt.passes import quantize_timing
+
+aten = torch.ops.aten
+
+
+class Wide(torch.nn.Module):
+    """Two linears whose weights (256 x 256) are large enough to be timed, and one too
+    small to be (64 x 256)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(256, 256), torch.nn.Linear(256, 256), torch.nn.Linear(256, 64)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def quantized(fmt, x):
+    torch.manual_seed(0)
+    model = Wide().eval()
+    opt = graphopt.optimize(model, graphopt.GraphOptimizationConfig(
+        graph_opt_level=1, use_cudagraph=False, cache_dir=None, freeze_parameters=True, weight_quantization=fmt, precision_tolerance=0.2))
+    with torch.no_grad():
+        out, expected = opt(x), model(x)
+    return opt, out, expected
+
+
+@pytest.fixture
+def weight_only_slower(monkeypatch):
+    """A clock on which every weight-only kernel takes 2 s a call and a float GEMM 1 s."""
+    monkeypatch.setattr(quantize_timing, "_LOSES", {})
+    monkeypatch.setattr(quantize_timing, "_seconds", lambda fn: 2.0 if fn.__name__ == "weight_only" else 1.0)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_kernel_slower_than_the_float_gemm_keeps_the_float_weight(fmt, weight_only_slower):
+    opt, out, expected = quantized(fmt, torch.randn(4, 256))
+    counts = {p.name: p.counts for p in opt.report().passes}["quantize_weights"]
+    assert counts == {"slower": 2, "quantized": 1}  # the small one untimed
+    torch.testing.assert_close(out, expected, atol=0.05, rtol=0.05)
+
+
+def test_a_faster_kernel_is_kept_and_each_shape_is_timed_once(monkeypatch):
+    monkeypatch.setattr(quantize_timing, "_LOSES", {})
+    timed = []
+
+    def seconds(fn):
+        timed.append(fn)
+        return 1.0 if fn.__name__ == "weight_only" else 2.0
+
+    monkeypatch.setattr(quantize_timing, "_seconds", seconds)
+    opt, out, expected = quantized("int8", torch.randn(4, 256))
+    assert {p.name: p.counts for p in opt.report().passes}["quantize_weights"] == {"quantized": 3}
+    assert len(quantize_timing._LOSES) == 1  # a and b share a shape; c is too small to time
+    assert len(timed) == 1 + len(quantize_timing._float_gemms(torch.randn(4, 256), torch.randn(256, 256)))
+
+
+def test_the_timing_runs_each_kernel_at_the_traced_rows():
+    """No clock faked: the kernels and the float GEMMs run, and the answer is remembered."""
+    quantize_timing._LOSES.clear()
+    first = quantize_timing.loses("int8", 8, 512, 256, torch.float32)
+    assert quantize_timing.loses("int8", 8, 512, 256, torch.float32) is first
+    assert list(quantize_timing._LOSES) == [("int8", 8, 512, 256, torch.float32, torch.get_num_threads())]
+    assert quantize_timing.loses("int4", 8, 64, 256, torch.float32) is False  # too small to time
