@@ -27,7 +27,8 @@ def quantized(fmt, x):
     torch.manual_seed(0)
     model = Wide().eval()
     opt = graphopt.optimize(model, graphopt.GraphOptimizationConfig(
-        graph_opt_level=1, use_cudagraph=False, cache_dir=None, freeze_parameters=True, weight_quantization=fmt, precision_tolerance=0.2))
+        graph_opt_level=1, use_cudagraph=False, cache_dir=None, freeze_parameters=True, weight_quantization=fmt,
+        precision_tolerance=0.2))
     with torch.no_grad():
         out, expected = opt(x), model(x)
     return opt, out, expected

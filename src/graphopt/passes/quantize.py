@@ -45,6 +45,10 @@ _LEVELS = 127
 # for slightly more kernel time and 1 bit per weight of bfloat16 scale and zero where 128
 # costs 0.25 (measured in docs/precision.md, "Weight-only int4").
 INT4_GROUP = 32
+# The factors each int4 group's range [min, max] is shrunk by, about its middle, before
+# the one with the least squared error is kept (`_best_range`; docs/precision.md,
+# "Weight-only int4").
+INT4_RANGES = (1.0, 0.95, 0.9, 0.85, 0.8)
 
 
 @dataclass(frozen=True)
@@ -68,13 +72,16 @@ def quantize_weights(gm: torch.fx.GraphModule) -> PassResult:
     int8: `_folded_0` = round(w / scale) in int8, `_folded_1` = scale = max|w| / 127 per
     output channel (in bfloat16). int4: `_folded_0` = the kernel's packing of
     round((w - zero) / scale) + 8 in 0..15 (two per byte), `_folded_1` = (scale, zero) per
-    group of 32 input channels, [K / 32, N, 2] in bfloat16, with scale = (max - min) / 15
-    and zero = min + 8 * scale over the group, so the kernel's (q - 8) * scale + zero
-    spans it. Both are folded at compile time with refresh recipes, so `refresh()`
-    quantizes updated weights again. A weight whose shape the kernel cannot take (int8:
-    K not a multiple of 16; int4: K not a multiple of 32 or N of 16) stays as it is,
-    counted as skipped. An input of more than two dims is flattened to rows and back
-    when at most one of its leading sizes is symbolic. At level 2 Inductor lowers the
+    group of 32 input channels, [K / 32, N, 2] in bfloat16, with scale = f (max - min) / 15
+    and zero = (max + min) / 2 + scale / 2 over the group, so the kernel's (q - 8) * scale
+    + zero spans the group's range shrunk by f about its middle, f the factor of
+    `INT4_RANGES` with the least squared error (f = 1: min to max). Both are folded at
+    compile time with refresh recipes, so `refresh()` quantizes updated weights again. A
+    weight whose shape the kernel cannot take (int8: K not a multiple of 16; int4: K not
+    a multiple of 32 or N of 16) stays as it is, counted as skipped; one whose kernel is
+    slower than the float GEMM at the traced rows too, counted as slower (quantize_timing.py).
+    An input of more than two dims is flattened to rows and back when at most one of its
+    leading sizes is symbolic. At level 2 Inductor lowers the
     kernel call itself (extern ATen kernel, or its C++ GEMM template where autotuning picks it).
     A product whose weight's rows are the vocabulary of an embedding the graph reads (a
     causal LM's output projection) takes `gm.meta[LOGITS_FORMAT]` where the manager set
@@ -193,33 +200,62 @@ def _int8_operands(gm: torch.fx.GraphModule, w: torch.fx.Node, fake_mode) -> tup
     amax = op(aten.amax.default, op(aten.abs.default, w), [1])
     scale = op(aten.clamp_min.default, op(aten.div.Tensor, amax, float(_LEVELS)), 1e-12)
     ratio = op(aten.div.Tensor, w, op(aten.unsqueeze.default, scale, 1))
-    rounded = op(aten.clamp.default, op(aten.round.default, ratio), -float(_LEVELS), float(_LEVELS))
+    rounded = op(aten.clamp_max.default, op(aten.clamp_min.default, op(aten.round.default, ratio), -float(_LEVELS)),
+                 float(_LEVELS))
     return op(_CAST, rounded, torch.int8), op(_CAST, scale, torch.bfloat16)
 
 
 def _int4_operands(gm: torch.fx.GraphModule, w: torch.fx.Node, fake_mode) -> tuple:
     """(`w` in int4 packed for the kernel, the group size, its scales and zeros
-    [K / group, N, 2] in bfloat16): the caller folds the nodes. The values are rounded
-    against the bfloat16 scale and zero the kernel reads, not the float32 ones."""
+    [K / group, N, 2] in bfloat16): the caller folds the nodes. Each group's range is
+    the one of `INT4_RANGES` with the least squared error (`_best_range`). The values are
+    rounded against the bfloat16 scale and zero the kernel reads, not the float32 ones."""
     def op(target, *args):
         return _node(gm, target, args, fake_mode)
 
     n, k = value_of(w).shape
     groups = op(aten.reshape.default, w, [n, k // INT4_GROUP, INT4_GROUP])
     low, high = op(aten.amin.default, groups, [2]), op(aten.amax.default, groups, [2])
-    # A constant group (max == min) gets a tiny scale, so it comes back as its value in bfloat16.
-    scale = op(aten.clamp_min.default, op(aten.div.Tensor, op(aten.sub.Tensor, high, low), 15.0), 1e-6)
-    zero = op(aten.add.Tensor, low, op(aten.mul.Tensor, scale, 8.0))
+    scale, zero = _best_range(op, groups, low, high)
     scale_bf16, zero_bf16 = op(_CAST, scale, torch.bfloat16), op(_CAST, zero, torch.bfloat16)
-    scale, zero = op(_CAST, scale_bf16, torch.float32), op(_CAST, zero_bf16, torch.float32)
-    ratio = op(aten.div.Tensor, op(aten.sub.Tensor, groups, op(aten.unsqueeze.default, zero, 2)),
-               op(aten.unsqueeze.default, scale, 2))
-    levels = op(aten.clamp.default, op(aten.add.Tensor, op(aten.round.default, ratio), 8.0), 0.0, 15.0)
+    levels = _int4_levels(op, groups, op(_CAST, scale_bf16, torch.float32), op(_CAST, zero_bf16, torch.float32))
     # Its second argument (inner K tiles) is read by the CUDA packing only.
     packed = op(aten._convert_weight_to_int4pack_for_cpu.default,
                 op(aten.reshape.default, op(_CAST, levels, torch.int32), [n, k]), 1)
     pairs = op(aten.permute.default, op(aten.stack.default, [scale_bf16, zero_bf16], 2), [1, 0, 2])
     return packed, INT4_GROUP, _node(gm, aten.clone.default, (pairs,), fake_mode, memory_format=torch.contiguous_format)
+
+
+def _best_range(op: Callable, groups: torch.fx.Node, low: torch.fx.Node, high: torch.fx.Node) -> tuple:
+    """(scale, zero) per group, float32: of the ranges [low, high] shrunk by each factor of
+    `INT4_RANGES`, the one whose 16 levels come back nearest the group's values (least
+    squared error). Shrinking clips the group's extremes to round the many values between
+    them more finely; the full range, the first, wins ties. Each candidate is compared as it
+    is made, so no intermediate is larger than the weight (folding's memory bound)."""
+    best = None
+    for factor in INT4_RANGES:
+        # A constant group (max == min) gets a tiny scale, so it comes back as its value in bfloat16.
+        scale = op(aten.clamp_min.default, op(aten.mul.Tensor, op(aten.sub.Tensor, high, low), factor / 15.0), 1e-6)
+        zero = op(aten.add.Tensor, op(aten.mul.Tensor, op(aten.add.Tensor, high, low), 0.5),
+                  op(aten.mul.Tensor, scale, 0.5))
+        levels = _int4_levels(op, groups, scale, zero)
+        back = op(aten.add.Tensor, op(aten.mul.Tensor, op(aten.sub.Tensor, levels, 8.0),
+                                      op(aten.unsqueeze.default, scale, 2)), op(aten.unsqueeze.default, zero, 2))
+        error = op(aten.sum.dim_IntList, op(aten.square.default, op(aten.sub.Tensor, back, groups)), [2])
+        if best is None:
+            best = error, scale, zero
+            continue
+        nearer = op(aten.lt.Tensor, error, best[0])
+        best = tuple(op(aten.where.self, nearer, new, old) for new, old in zip((error, scale, zero), best))
+    return best[1], best[2]
+
+
+def _int4_levels(op: Callable, groups: torch.fx.Node, scale: torch.fx.Node, zero: torch.fx.Node) -> torch.fx.Node:
+    """round((w - zero) / scale) + 8, clamped to 0..15, per group."""
+    ratio = op(aten.div.Tensor, op(aten.sub.Tensor, groups, op(aten.unsqueeze.default, zero, 2)),
+               op(aten.unsqueeze.default, scale, 2))
+    shifted = op(aten.add.Tensor, op(aten.round.default, ratio), 8.0)
+    return op(aten.clamp_max.default, op(aten.clamp_min.default, shifted, 0.0), 15.0)
 
 
 def _node(gm: torch.fx.GraphModule, target, args: tuple, fake_mode, **kwargs) -> torch.fx.Node:
