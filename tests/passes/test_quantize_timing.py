@@ -71,3 +71,13 @@ def test_the_timing_runs_each_kernel_at_the_traced_rows():
     assert quantize_timing.loses("int8", 8, 512, 256, torch.float32) is first
     assert list(quantize_timing._LOSES) == [("int8", 8, 512, 256, torch.float32, torch.get_num_threads())]
     assert quantize_timing.loses("int4", 8, 64, 256, torch.float32) is False  # too small to time
+
+
+def test_each_side_is_timed_over_copies_read_from_memory_not_from_the_cache():
+    """A weight timed alone stays in the cache between calls, where a model's step reads
+    its weights from memory: the float side's 4x bytes would go unpaid."""
+    weight = torch.randn(640, 2048)
+    copies = quantize_timing._copies(weight)
+    assert sum(c.nbytes for c in copies) >= quantize_timing.COLD_BYTES
+    assert len({c.data_ptr() for c in copies}) == len(copies) and all(torch.equal(c, weight) for c in copies)
+    assert len(quantize_timing._copies(torch.empty(quantize_timing.COLD_BYTES // 4 + 1))) == 1

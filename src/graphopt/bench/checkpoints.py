@@ -73,9 +73,17 @@ def gemma3_270m(sizes: Sizes) -> Workload:
 
 
 def next_token_losses(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """-log p(token | the tokens before it) at each position of `ids` after the first."""
+    """-log p(token | the tokens before it) at each position of `ids` after the first,
+    one token a step through a static cache: the decode step, which serves generate()'s
+    tokens. One forward over the whole text would judge a prefill graph instead, whose
+    products keep float weights where the weight-only kernels lose at its rows."""
+    import transformers
+
+    cache = transformers.StaticCache(config=model.config, max_cache_len=ids.shape[1])
     with torch.inference_mode():
-        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        logits = torch.cat([model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True,
+                                  cache_position=torch.tensor([t], device=ids.device)).logits[0, -1:].float()
+                            for t in range(ids.shape[1] - 1)])
     return torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")
 
 

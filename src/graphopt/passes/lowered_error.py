@@ -132,13 +132,14 @@ class Bound:
     def __init__(self, tolerance: float, vocab: set[int], steps: int):
         self.tolerance, self.vocab, self.steps = tolerance, vocab, steps
 
-    def past(self, expected: Sequence[torch.Tensor], actual: Sequence[torch.Tensor]) -> str | None:
-        """Why `actual` is past the bound, or None."""
+    def past(self, expected: Sequence[torch.Tensor], actual: Sequence[torch.Tensor],
+             reference: str = "eager") -> str | None:
+        """Why `actual` is past the bound from `expected` (`reference`'s results), or None."""
         error = error_record("", expected, actual, self.tolerance, self.vocab, self.steps)
         if not error["fell_back"]:
             return None
         if "logits_kl" in error:
             return (f"has logits whose next-token distributions are {error['logits_kl']:.3g} nats (mean KL) from "
-                    f"eager's, over precision_tolerance={self.tolerance:g}")
-        return f"has an error of {error['relative_error']:.3g} of an output's largest magnitude against eager's, " \
-               f"over precision_tolerance={self.tolerance:g}"
+                    f"{reference}'s, over precision_tolerance={self.tolerance:g}")
+        return f"has an error of {error['relative_error']:.3g} of an output's largest magnitude against " \
+               f"{reference}'s, over precision_tolerance={self.tolerance:g}"
