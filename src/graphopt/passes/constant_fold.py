@@ -3,7 +3,9 @@
 Folded values become non-persistent buffers `_folded_<i>` of the GraphModule, read by
 get_attr nodes. A value computed from frozen parameters keeps a recipe (a small
 GraphModule from those parameters to the value) in `gm.meta`, so that
-`refresh_folded_constants` can recompute it in place after a weight update.
+`refresh_folded_constants` can recompute it in place after a weight update; the same
+recipe over the same tensors in another graph of the model reads the same value
+(shared_weights.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.fx
 
 from .._compat import fake
 from .._compat.names import OpOverload, tree_leaves
+from . import shared_weights
 from .base import GraphFacts, PassResult, has_effect, is_view
 
 # Set by the backend with freeze_parameters=True: {placeholder name: real tensor}.
@@ -62,8 +65,13 @@ def fold_constants(gm: torch.fx.GraphModule) -> PassResult:
             needed.add(node)
     folds = [n for n in gm.graph.nodes if n in needed and n.op == "call_function" and not is_view(n)]
     folds = [n for n in folds if not (_from_frozen(sources[n], recipes) and _numel(n) <= 1)]
-    values = _evaluate(gm, folds, frozen)
-    folded = sum(_into_buffer(gm, node, values.get(node), sources, recipes) is not None for node in folds)
+    made = {node: _recipe(gm, node, recipes) for node in folds if _from_frozen(sources[node], recipes)}
+    shared = {node: shared_weights.key(recipe, frozen) for node, recipe in made.items()}
+    values = {node: value for node in folds if (value := shared_weights.find(shared.get(node))) is not None}
+    values.update(_evaluate(gm, [n for n in folds if n not in values], frozen))
+    for node, found in shared.items():
+        shared_weights.share(found, values.get(node))
+    folded = sum(_into_buffer(gm, node, values.get(node), made.get(node), recipes) is not None for node in folds)
     _erase_unread(gm, sources)
     return PassResult(changed=folded > 0, counts={"folded": folded} if folded else {})
 
@@ -81,8 +89,13 @@ def fold_node(gm: torch.fx.GraphModule, node: torch.fx.Node,
     sources = _constants(gm, frozen)
     if node not in sources or node.op != "call_function":
         return None
-    value = compute() if compute is not None else _evaluate(gm, [node], frozen).get(node)
-    attr = _into_buffer(gm, node, value, sources, recipes)
+    recipe = _recipe(gm, node, recipes) if _from_frozen(sources[node], recipes) else None
+    shared = None if recipe is None else shared_weights.key(recipe, frozen)
+    value = shared_weights.find(shared)
+    if value is None:
+        value = compute() if compute is not None else _evaluate(gm, [node], frozen).get(node)
+        shared_weights.share(shared, value)
+    attr = _into_buffer(gm, node, value, recipe, recipes)
     _erase_unread(gm, sources)
     return attr
 
@@ -93,17 +106,18 @@ def constant_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     return set(_constants(gm, gm.meta.get(FROZEN_INPUTS, {})))
 
 
-def _into_buffer(gm: torch.fx.GraphModule, node: torch.fx.Node, value: object, sources: dict,
-                 recipes: dict) -> torch.fx.Node | None:
-    """Store `value` as a new `_folded_<i>` buffer and make `node`'s readers read it."""
+def _into_buffer(gm: torch.fx.GraphModule, node: torch.fx.Node, value: object,
+                 recipe: torch.fx.GraphModule | None, recipes: dict) -> torch.fx.Node | None:
+    """Store `value` as a new `_folded_<i>` buffer (refreshed by `recipe` where it reads
+    frozen parameters) and make `node`'s readers read it."""
     if not isinstance(value, torch.Tensor):
         return None
     name = next(f"_folded_{i}" for i in itertools.count() if not hasattr(gm, f"_folded_{i}"))
     gm.register_buffer(name, value, persistent=False)
     if gm.meta.get("graphopt_level") == 2:
         _allow_constants_in_inductor(gm)
-    if _from_frozen(sources[node], recipes):
-        recipes[name] = _recipe(gm, node, recipes)
+    if recipe is not None:
+        recipes[name] = recipe
     with gm.graph.inserting_before(node):
         attr = gm.graph.get_attr(name)
     attr.meta = dict(node.meta)

@@ -129,8 +129,12 @@ class Bound:
     eager), judged as `error_record` judges a pass: by the logits' KL where the graph has
     logits over one of `vocab`, else by the relative error."""
 
-    def __init__(self, tolerance: float, vocab: set[int], steps: int):
-        self.tolerance, self.vocab, self.steps = tolerance, vocab, steps
+    def __init__(self, tolerance: float, vocab: set[int], steps: int, name: str = "precision_tolerance"):
+        self.tolerance, self.vocab, self.steps, self.name = tolerance, vocab, steps, name
+
+    def times(self, factor: float) -> Bound:
+        """This bound loosened `factor` times."""
+        return Bound(self.tolerance * factor, self.vocab, self.steps, f"{factor:g}x {self.name}")
 
     def past(self, expected: Sequence[torch.Tensor], actual: Sequence[torch.Tensor],
              reference: str = "eager") -> str | None:
@@ -140,6 +144,6 @@ class Bound:
             return None
         if "logits_kl" in error:
             return (f"has logits whose next-token distributions are {error['logits_kl']:.3g} nats (mean KL) from "
-                    f"{reference}'s, over precision_tolerance={self.tolerance:g}")
+                    f"{reference}'s, over {self.name}={self.tolerance:g}")
         return f"has an error of {error['relative_error']:.3g} of an output's largest magnitude against " \
-               f"{reference}'s, over precision_tolerance={self.tolerance:g}"
+               f"{reference}'s, over {self.name}={self.tolerance:g}"

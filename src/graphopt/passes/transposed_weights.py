@@ -6,6 +6,7 @@ import torch
 import torch.fx
 
 from .._compat import fake
+from . import shared_weights
 from .base import PassResult
 from .constant_fold import FOLDED_RECIPES, FROZEN_INPUTS, fold_node, may_be_read
 
@@ -78,14 +79,16 @@ class _Scratch:
 
 def _owns_its_memory(gm: torch.fx.GraphModule, node: torch.fx.Node, value: torch.Tensor) -> bool:
     """Whether `value` may be overwritten once `node`, its only reader, reads its transpose:
-    all of its storage is its own, no other attribute of `gm` and no frozen input shares it."""
+    all of its storage is its own, no other attribute of `gm`, no frozen input and no
+    other graph (shared_weights.py) shares it."""
     if not value.is_contiguous() or value.storage_offset() != 0 or value.dim() != 2 \
             or value.untyped_storage().nbytes() != value.numel() * value.element_size() \
             or len(gm.graph.find_nodes(op="get_attr", target=node.target)) != 1:
         return False
     others = [*(t for name, t in gm.named_buffers() if name != node.target), *gm.parameters(),
               *gm.meta.get(FROZEN_INPUTS, {}).values()]
-    return all(t.untyped_storage().data_ptr() != value.untyped_storage().data_ptr() for t in others)
+    return all(t.untyped_storage().data_ptr() != value.untyped_storage().data_ptr() for t in others) \
+        and shared_weights.withdraw(value)  # last: it stops offering the value to other graphs
 
 
 def _transposed_for_gemms(node: torch.fx.Node) -> bool:

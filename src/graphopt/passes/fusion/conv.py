@@ -18,6 +18,7 @@ import torch
 import torch.fx
 
 from ..._compat import fake, mkldnn, shapes
+from .. import shared_weights
 from ..base import GraphFacts, PassResult, alias_root, erase_dead, value_of
 from ..constant_fold import FOLDED_RECIPES, FROZEN_INPUTS, drop_if_unread, fold_node, recipe_of_call
 from ..strides import fake_run, restrided, set_values
@@ -195,12 +196,17 @@ def packed_weight(gm: torch.fx.GraphModule, w: torch.fx.Node, pack: Any, args: t
     """A `_packed_<i>` attribute: `pack(w, *args)`, with a refresh recipe when the
     weight comes from frozen parameters (or from a constant folded from them)."""
     dense = gm.meta[FROZEN_INPUTS][w.name] if w.op == "placeholder" else getattr(gm, w.target)
-    # Not an inference tensor (a compile inside the caller's inference_mode, as refresh()
-    # compiling a level-2 graph again is): refresh() updates it in place outside that mode.
-    with fake.outside_fake_mode(), torch.inference_mode(False), torch.no_grad():
-        value = pack(dense, *args)
+    recipe = recipe_of_call(gm, w, pack, args)
+    shared = None if recipe is None else shared_weights.key(recipe, gm.meta.get(FROZEN_INPUTS, {}))
+    value = shared_weights.find(shared)
+    if value is None:
+        # Not an inference tensor (a compile inside the caller's inference_mode, as refresh()
+        # compiling a level-2 graph again is): refresh() updates it in place outside that mode.
+        with fake.outside_fake_mode(), torch.inference_mode(False), torch.no_grad():
+            value = pack(dense, *args)
+        shared_weights.share(shared, value)
     # The dense weight's fake value: sizes only, the layout is oneDNN's.
-    return add_packed(gm, value, recipe_of_call(gm, w, pack, args), value_of(w))
+    return add_packed(gm, value, recipe, value_of(w))
 
 
 def add_packed(gm: torch.fx.GraphModule, value: torch.Tensor, recipe: torch.fx.GraphModule | None,
