@@ -9,7 +9,7 @@ import torch
 import torch.fx
 
 from .._compat import fake
-from .base import GraphFacts, PassResult, is_contiguous, same_layout, value_of
+from .base import GraphFacts, PassResult, attribute, is_contiguous, same_layout, value_of
 from .constant_fold import FOLDED_RECIPES
 
 aten = torch.ops.aten
@@ -119,7 +119,7 @@ def _fill_value(gm: torch.fx.GraphModule, arg: object) -> object:
     if arg.op == "get_attr" and arg.target not in gm.meta.get(FOLDED_RECIPES, {}):
         # A value folded from frozen weights is left unread: refresh() recomputes it in place
         # after the weights change, and code made for its old value would stay.
-        tensor = functools.reduce(getattr, arg.target.split("."), gm)
+        tensor = attribute(gm, arg.target)
         if isinstance(tensor, torch.Tensor) and 0 < tensor.numel() <= _INSPECT_NUMEL:
             with fake.outside_fake_mode():
                 first = tensor.reshape(-1)[0]

@@ -9,6 +9,7 @@ passes replace a node: it refuses a substitution that could change a result.
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
 
@@ -63,6 +64,11 @@ def has_effect(node: torch.fx.Node) -> bool:
     and out= writes, ops with side effects, collectives (the other ranks wait for
     them), and random ops (removing a draw would shift every later random number)."""
     return node.is_impure(impure_random=True) or is_collective(node)
+
+
+def attribute(module: torch.nn.Module, target: str) -> object:
+    """The attribute a get_attr node's `target` ("sub.name") names on `module`."""
+    return functools.reduce(getattr, target.split("."), module)
 
 
 def value_of(node: object) -> torch.Tensor | None:

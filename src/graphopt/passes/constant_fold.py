@@ -10,7 +10,6 @@ recipe over the same tensors in another graph of the model reads the same value
 
 from __future__ import annotations
 
-import functools
 import itertools
 import operator
 from typing import Any, Callable
@@ -21,7 +20,7 @@ import torch.fx
 from .._compat import fake
 from .._compat.names import OpOverload, tree_leaves
 from . import shared_weights
-from .base import GraphFacts, PassResult, has_effect, is_view
+from .base import GraphFacts, PassResult, attribute, has_effect, is_view
 
 # Set by the backend with freeze_parameters=True: {placeholder name: real tensor}.
 FROZEN_INPUTS = "graphopt_frozen_inputs"
@@ -90,11 +89,7 @@ def fold_node(gm: torch.fx.GraphModule, node: torch.fx.Node,
     if node not in sources or node.op != "call_function":
         return None
     recipe = _recipe(gm, node, recipes) if _from_frozen(sources[node], recipes) else None
-    shared = None if recipe is None else shared_weights.key(recipe, frozen)
-    value = shared_weights.find(shared)
-    if value is None:
-        value = compute() if compute is not None else _evaluate(gm, [node], frozen).get(node)
-        shared_weights.share(shared, value)
+    value = shared_weights.computed(recipe, frozen, compute or (lambda: _evaluate(gm, [node], frozen).get(node)))
     attr = _into_buffer(gm, node, value, recipe, recipes)
     _erase_unread(gm, sources)
     return attr
@@ -156,7 +151,7 @@ def drop_if_unread(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
     oneDNN calls this on the dense weight, whose packed copy's recipe holds its own: the
     dense concatenation of Q/K/V or gate/up would otherwise stay beside the packed one."""
     if node.op == "get_attr" and node.target.startswith("_folded_") and not node.users \
-            and not may_be_read(_attr(gm, node.target)):
+            and not may_be_read(attribute(gm, node.target)):
         gm.graph.erase_node(node)
         if not gm.graph.find_nodes(op="get_attr", target=node.target):
             delattr(gm, node.target)
@@ -193,7 +188,7 @@ def _constants(gm: torch.fx.GraphModule, frozen: dict) -> dict[torch.fx.Node, fr
             continue
         if node.op == "placeholder" and node.name in frozen:
             sources[node] = frozenset([node])
-        elif node.op == "get_attr" and isinstance(_attr(gm, node.target), torch.Tensor):
+        elif node.op == "get_attr" and isinstance(attribute(gm, node.target), torch.Tensor):
             sources[node] = frozenset([node])
         elif node.op == "call_function" and all(i in sources for i in node.all_input_nodes) \
                 and _foldable_op(node):  # the cheap test first: most nodes read a non-constant
@@ -248,7 +243,7 @@ def _evaluate(gm: torch.fx.GraphModule, folds: list[torch.fx.Node], frozen: dict
             if node.op == "placeholder":
                 env[node] = frozen[node.name]
             elif node.op == "get_attr":
-                env[node] = _attr(gm, node.target)
+                env[node] = attribute(gm, node.target)
             elif all(i in env for i in node.all_input_nodes):
                 args, kwargs = torch.fx.map_arg((node.args, node.kwargs), env.__getitem__)
                 try:
@@ -285,7 +280,7 @@ def _recipe(gm: torch.fx.GraphModule, node: torch.fx.Node, recipes: dict) -> tor
         else:
             env[n] = graph.node_copy(n, env.__getitem__)
             if n.op == "get_attr":
-                attrs[n.target] = _attr(gm, n.target)
+                attrs[n.target] = attribute(gm, n.target)
     graph.output(env[node])
     return torch.fx.GraphModule(attrs, graph)
 
@@ -323,7 +318,7 @@ def _copied(graph: torch.fx.Graph, recipe: torch.fx.GraphModule, inputs: dict, a
         else:
             env[r] = graph.node_copy(r, env.__getitem__)
             if r.op == "get_attr":
-                attrs[r.target] = _attr(recipe, r.target)
+                attrs[r.target] = attribute(recipe, r.target)
     raise ValueError("a recipe without an output")
 
 
@@ -337,6 +332,3 @@ def _ancestors(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
             todo.extend(node.all_input_nodes)
     return found
 
-
-def _attr(gm: torch.fx.GraphModule, target: str) -> object:
-    return functools.reduce(getattr, target.split("."), gm)

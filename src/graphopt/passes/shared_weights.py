@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx
+
+from .base import attribute
 
 # recipe key -> its entry
 _VALUES: dict[tuple, _Entry] = {}
@@ -47,7 +49,7 @@ def key(recipe: torch.fx.GraphModule, frozen: dict[str, torch.Tensor]) -> tuple[
     for node in recipe.graph.nodes:
         index[node] = len(index)
         if node.op in ("placeholder", "get_attr"):
-            tensor = frozen[node.target] if node.op == "placeholder" else _attr(recipe, node.target)
+            tensor = frozen[node.target] if node.op == "placeholder" else attribute(recipe, node.target)
             if not isinstance(tensor, torch.Tensor) or tensor.is_inference():
                 return None
             reads.append(tensor)
@@ -78,6 +80,19 @@ def share(found: tuple[tuple, list[torch.Tensor]] | None, value: Any) -> None:
     _VALUES[found[0]] = _Entry(tuple(weakref.ref(t) for t in found[1]), weakref.ref(value))
 
 
+def computed(recipe: torch.fx.GraphModule | None, frozen: dict[str, torch.Tensor],
+             compute: Callable[[], Any]) -> Any:
+    """The value `recipe` computes from `frozen`: another graph's where one is shared,
+    else `compute()`'s, then offered to later graphs. No recipe (a value no frozen
+    parameter changes): `compute()`'s, not shared."""
+    found = None if recipe is None else key(recipe, frozen)
+    value = find(found)
+    if value is None:
+        value = compute()
+        share(found, value)
+    return value
+
+
 def withdraw(value: torch.Tensor) -> bool:
     """Whether the graph that made `value` may overwrite it (store_transposed_weights
     transposes a weight in its own memory): no other graph was handed it. It is then no
@@ -98,9 +113,3 @@ class _Ref:
 
     def __repr__(self) -> str:
         return f"%{self.position}"
-
-
-def _attr(module: torch.nn.Module, target: str) -> Any:
-    for part in target.split("."):
-        module = getattr(module, part)
-    return module

@@ -197,14 +197,13 @@ def packed_weight(gm: torch.fx.GraphModule, w: torch.fx.Node, pack: Any, args: t
     weight comes from frozen parameters (or from a constant folded from them)."""
     dense = gm.meta[FROZEN_INPUTS][w.name] if w.op == "placeholder" else getattr(gm, w.target)
     recipe = recipe_of_call(gm, w, pack, args)
-    shared = None if recipe is None else shared_weights.key(recipe, gm.meta.get(FROZEN_INPUTS, {}))
-    value = shared_weights.find(shared)
-    if value is None:
+
+    def packed() -> torch.Tensor:
         # Not an inference tensor (a compile inside the caller's inference_mode, as refresh()
         # compiling a level-2 graph again is): refresh() updates it in place outside that mode.
         with fake.outside_fake_mode(), torch.inference_mode(False), torch.no_grad():
-            value = pack(dense, *args)
-        shared_weights.share(shared, value)
+            return pack(dense, *args)
+    value = shared_weights.computed(recipe, gm.meta.get(FROZEN_INPUTS, {}), packed)
     # The dense weight's fake value: sizes only, the layout is oneDNN's.
     return add_packed(gm, value, recipe, value_of(w))
 
