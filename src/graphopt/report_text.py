@@ -101,9 +101,18 @@ def _error_figures(error: dict[str, Any]) -> str:
 
 
 def _precision_line(error: dict[str, Any]) -> str:
-    kept = "kept" if not error["fell_back"] else f"over precision_tolerance={error['tolerance']:g}: full precision"
+    kept = "kept" if not error["fell_back"] else f"over {bound_name(error)}: full precision"
     projection = f", the logits' projection in {error['logits_weights']}" if "logits_weights" in error else ""
     return f"    lower precision ({error['dtype']}): {_error_figures(error)}{projection} ({kept})"
+
+
+def bound_name(error: dict[str, Any]) -> str:
+    """The bound a lowering's error record (passes/lowered_error.py's) was held to, as the
+    user sets it: precision_tolerance, or a multiple of it (int4's, passes/precision.py)."""
+    slack = error.get("slack", 1.0)
+    if slack == 1.0:
+        return f"precision_tolerance={error['tolerance']:g}"
+    return f"{slack:g}x precision_tolerance={error['tolerance'] / slack:g} (int4's bound, {error['tolerance']:g})"
 
 
 def _plan_lines(plan: PlanRecord) -> str:

@@ -39,7 +39,7 @@ import torch
 
 from .._compat import background
 from ..config import GraphOptimizationConfig
-from ..passes import lowered_error
+from ..passes import lowered_error, precision
 from ..report import FallbackKind, Report, first_line
 from . import candidates
 
@@ -203,8 +203,9 @@ def precision_bound(config: GraphOptimizationConfig, gm: torch.fx.GraphModule) -
     the lowering was: by the logits' KL where `gm` (Dynamo's graph) has logits."""
     if config.compute_dtype is None and config.weight_quantization is None:
         return None
-    tolerance = config.precision_tolerance if config.precision_tolerance is not None else float("inf")
-    return lowered_error.Bound(tolerance, lowered_error.vocabularies(gm), config.token_agreement_steps)
+    tolerance, slack = precision.tolerance(config)
+    return lowered_error.Bound(float("inf") if tolerance is None else tolerance, lowered_error.vocabularies(gm),
+                               config.token_agreement_steps, slack)
 
 
 def choose(compile_at: Callable[..., Callable], eager: Callable, stateful: list[int], record: dict[str, Any],

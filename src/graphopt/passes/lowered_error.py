@@ -26,6 +26,7 @@ import torch
 import torch.fx
 
 from ..config import GraphOptimizationConfig
+from ..report_text import bound_name
 from .base import vocabularies
 from .precision import AGREEMENT_STEPS, label
 
@@ -85,14 +86,16 @@ def worst_error(expected: Sequence[torch.Tensor], actual: Sequence[torch.Tensor]
 
 
 def error_record(dtype: str, expected: Sequence[torch.Tensor], actual: Sequence[torch.Tensor],
-                 tolerance: float | None, vocab: set[int] = frozenset(), steps: int = 0) -> dict[str, Any]:
+                 tolerance: float | None, vocab: set[int] = frozenset(), steps: int = 0,
+                 slack: float = 1.0) -> dict[str, Any]:
     """The report's record of a lowering's error (`dtype`: what lowered it): `worst_error`'s
     figures; where a result is logits over one of `vocab`, their mean KL divergence from
     full precision's and the greedy-token agreement over `steps` positions; and whether the
-    judged figure (the KL, else the relative error) is past `tolerance` (precision_tolerance)."""
+    judged figure (the KL, else the relative error) is past `tolerance`, `slack` times
+    precision_tolerance (precision.tolerance)."""
     relative, largest, mean = worst_error(expected, actual)
     record = {"dtype": dtype, "max_abs_error": largest, "mean_abs_error": mean, "relative_error": relative,
-              "tolerance": tolerance}
+              "tolerance": tolerance, "slack": slack}
     pair = logits(vocab, expected, actual, steps) if vocab else None
     if pair is not None:
         agreeing, compared = _agreeing(*pair)
@@ -103,11 +106,11 @@ def error_record(dtype: str, expected: Sequence[torch.Tensor], actual: Sequence[
 
 
 def measured_error(gm: torch.fx.GraphModule, expected: Sequence[torch.Tensor], actual: Sequence[torch.Tensor],
-                   tolerance: float | None) -> dict[str, Any]:
+                   tolerance: float | None, slack: float = 1.0) -> dict[str, Any]:
     """How far `actual` (the lowered graph's results) is from `expected` (full precision's),
     as `error_record` judges it, with `gm`'s vocabularies and token_agreement_steps."""
     steps = gm.meta.get(AGREEMENT_STEPS, GraphOptimizationConfig.token_agreement_steps)
-    return error_record(label(gm), expected, actual, tolerance, vocabularies(gm), steps)
+    return error_record(label(gm), expected, actual, tolerance, vocabularies(gm), steps, slack)
 
 
 def over_tolerance(name: str, error: dict[str, Any]) -> str:
@@ -120,8 +123,9 @@ def over_tolerance(name: str, error: dict[str, Any]) -> str:
         figure = (f"the graph's error against full precision, max abs {error['max_abs_error']:.3g} (mean "
                   f"{error['mean_abs_error']:.3g}), is {error['relative_error']:.3g} of its output's largest "
                   "magnitude,")
-    return (f"{name} ({error['dtype']}): {figure} over precision_tolerance={error['tolerance']:g}; the pass is "
-            "undone for this graph (raise precision_tolerance to accept the error)")
+    judged = error.get("logits_kl", error["relative_error"]) / error.get("slack", 1.0)
+    return (f"{name} ({error['dtype']}): {figure} over {bound_name(error)}; the pass is undone for this graph "
+            f"(precision_tolerance={judged:.2g} or more would keep it)")
 
 
 class Bound:
@@ -129,12 +133,14 @@ class Bound:
     eager), judged as `error_record` judges a pass: by the logits' KL where the graph has
     logits over one of `vocab`, else by the relative error."""
 
-    def __init__(self, tolerance: float, vocab: set[int], steps: int, name: str = "precision_tolerance"):
-        self.tolerance, self.vocab, self.steps, self.name = tolerance, vocab, steps, name
+    def __init__(self, tolerance: float, vocab: set[int], steps: int, factor: float = 1.0):
+        """`tolerance`: `factor` times precision_tolerance (int4's 3x, the level choice's 4x)."""
+        self.tolerance, self.vocab, self.steps, self.factor = tolerance, vocab, steps, factor
+        self.name = "precision_tolerance" if factor == 1.0 else f"{factor:g}x precision_tolerance"
 
     def times(self, factor: float) -> Bound:
         """This bound loosened `factor` times."""
-        return Bound(self.tolerance * factor, self.vocab, self.steps, f"{factor:g}x {self.name}")
+        return Bound(self.tolerance * factor, self.vocab, self.steps, self.factor * factor)
 
     def past(self, expected: Sequence[torch.Tensor], actual: Sequence[torch.Tensor],
              reference: str = "eager") -> str | None:

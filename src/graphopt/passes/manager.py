@@ -227,7 +227,8 @@ class _Run:
                  folder: Path | None, verify_inputs: Sequence[Any] | None, config: GraphOptimizationConfig,
                  example_inputs: Sequence[Any] | None):
         self.gm, self.graph_index, self.report, self.folder = gm, graph_index, report, folder
-        self.verify, self.tolerance, self.full_precision = config.verify, config.precision_tolerance, None
+        self.verify, self.full_precision = config.verify, None
+        self.tolerance, self.slack = precision.tolerance(config)
         self.verify_run = GraphRun(gm, verify_inputs) if verify_inputs is not None else None
         self.example_run = GraphRun(gm, example_inputs) if example_inputs is not None else None
         self.expected = self.verify_run() if self.verify_run is not None else None
@@ -293,10 +294,10 @@ class _Run:
             self.report.fallback(FallbackKind.UNCHECKED, precision.NOT_MEASURED)
         elif result.changed:
             error = self._error_of(name, expected)
-            # Past the bound, a causal LM's output projection takes finer formats in turn
-            # before the whole graph's quantization is undone.
+            # Past the bound, a causal LM's output projection takes its float weight before
+            # the whole graph's quantization is undone.
             while error["fell_back"] and name == "quantize_weights" \
-                    and (finer := quantize.finer_logits(self.gm, result)) is not None:
+                    and (finer := quantize.finer_logits(result)) is not None:
                 before.restore(self.gm)
                 self.gm.meta[quantize.LOGITS_FORMAT] = finer
                 result = fn(self.gm)
@@ -313,7 +314,7 @@ class _Run:
         self.gm.recompile()
         actual = self.example_run(name)
         with fake.outside_fake_mode():
-            return lowered_error.measured_error(self.gm, expected, actual, self.tolerance)
+            return lowered_error.measured_error(self.gm, expected, actual, self.tolerance, self.slack)
 
 
 def _inputs_match(gm: torch.fx.GraphModule, inputs: list) -> bool:

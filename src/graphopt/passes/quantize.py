@@ -18,7 +18,7 @@ import torch
 import torch.fx
 
 from .._compat import fake, shapes
-from . import quantize_timing
+from . import quantize_timing, roles
 from .base import PassResult, erase_dead, value_of, vocabularies
 from .constant_fold import constant_nodes, fold_node
 from .strides import fake_run
@@ -34,10 +34,14 @@ COMPUTE_DTYPE = "graphopt_compute_dtype"
 # Set by the manager on a retry (`finer_logits`): the format of the product whose rows are
 # the logits (a causal LM's output projection), "float" for its float weight.
 LOGITS_FORMAT = "graphopt_logits_weight_format"
-# The formats the logits' product is given in turn before a graph's quantization is undone:
-# its error reaches every token's probability at once, and it is one layer of many (llama.cpp's
-# Q4_K_M keeps the output weight at 6 bits for that).
-_FINER = {"int4": ("int8", "float"), "int8": ("float",)}
+# The format the logits' product takes first, before its float weight on a retry and before
+# a graph's quantization is undone: its error reaches every token's probability at once, and
+# it is one layer of many (llama.cpp's Q4_K_M keeps the output weight at 6 bits for that).
+_LOGITS_FIRST = {"int4": "int8", "int8": "int8"}
+# Under int4, the products of these roles (roles.py) take int8: llama.cpp's Q4_K_M keeps the
+# value and the MLP's output projections at more bits. Measured on Gemma-3 270M, int4 moved
+# the perplexity 13.8% from float32's, int4 with these in int8 4.6% (docs/precision.md).
+_FINER_ROLES = {"int4": ("int8", (roles.VALUE, roles.MLP_OUTPUT))}
 # The int8 values a weight takes: -127..127, symmetric, so a scale maps max|w| to 127.
 _LEVELS = 127
 # How many int4 weights along the reduction dim share a scale and a zero (the kernel takes
@@ -84,38 +88,57 @@ def quantize_weights(gm: torch.fx.GraphModule) -> PassResult:
     leading sizes is symbolic. At level 2 Inductor lowers the
     kernel call itself (extern ATen kernel, or its C++ GEMM template where autotuning picks it).
     A product whose weight's rows are the vocabulary of an embedding the graph reads (a
-    causal LM's output projection) takes `gm.meta[LOGITS_FORMAT]` where the manager set
-    one on a retry, counted apart ("logits quantized" / "logits skipped").
+    causal LM's output projection) takes int8, or `gm.meta[LOGITS_FORMAT]` where the manager
+    set one on a retry, counted apart ("logits quantized" / "logits skipped"). Under int4, the
+    attention's value projections and the MLPs' output projections take int8 (`role_format`),
+    counted as "int8 by role".
     """
     formats = _formats()
     fmt = formats.get(gm.meta.get(WEIGHT_QUANTIZATION))
     fake_mode = fake.fake_mode_of(gm)
     if fmt is None or fake_mode is None:
         return PassResult(changed=False)
-    logits_fmt = formats.get(gm.meta.get(LOGITS_FORMAT, gm.meta[WEIGHT_QUANTIZATION]))
+    logits_fmt = formats.get(gm.meta.get(LOGITS_FORMAT, _LOGITS_FIRST[fmt.name]))
     constants, vocab = constant_nodes(gm), vocabularies(gm)
+    products = weight_products(gm, constants)
+    formats_by_role = {node: role_format(gm, node, products, constants) for node in products}
     counts: dict[str, int] = {}
-    for node in list(gm.graph.nodes):
-        operands = _operands(node)
-        # An mm is a linear's only on a weight: products of two activations are not counted.
-        if operands is None or (node.target is not aten.linear.default and operands[1] not in constants):
-            continue
+    for node, operands in products.items():
         logits = _rows(operands[1]) in vocab
-        chosen = logits_fmt if logits else fmt
+        chosen = logits_fmt if logits else formats.get(formats_by_role[node])
         done = "skipped" if chosen is None else _quantize(gm, node, operands, constants, chosen, fake_mode)
-        kind = ("logits " if logits else "") + done
+        kind = "logits " + done if logits else \
+            "int8 by role" if done == "quantized" and chosen is not fmt else done
         counts[kind] = counts.get(kind, 0) + 1
-    return PassResult(changed=bool(counts.keys() & {"quantized", "logits quantized"}), counts=counts)
+    changed = bool(counts.keys() & {"quantized", "logits quantized", "int8 by role"})
+    return PassResult(changed=changed, counts=counts)
 
 
-def finer_logits(gm: torch.fx.GraphModule, result: PassResult) -> str | None:
-    """The next finer format for the logits' product of `gm`, after `result` (this pass's)
-    quantized it: "int8" after int4, "float" after int8; None where it has the finest."""
-    if not result.counts.get("logits quantized"):
-        return None
-    finer = _FINER[gm.meta[WEIGHT_QUANTIZATION]]
-    now = gm.meta.get(LOGITS_FORMAT)
-    return finer[0] if now is None else next(iter(finer[finer.index(now) + 1:]), None)
+def weight_products(gm: torch.fx.GraphModule, constants: set[torch.fx.Node]) -> dict[torch.fx.Node, tuple]:
+    """The products of an input with a frozen weight in `gm`, in graph order, with their
+    (x, w, bias): linears, and mms / addmms on a constant's transpose (an mm of two
+    activations is not one)."""
+    found = {}
+    for node in gm.graph.nodes:
+        operands = _operands(node)
+        if operands is not None and (node.target is aten.linear.default or operands[1] in constants):
+            found[node] = operands
+    return found
+
+
+def role_format(gm: torch.fx.GraphModule, node: torch.fx.Node, products: Any,
+                constants: set[torch.fx.Node]) -> str | None:
+    """The weight format `node`, one of `products`, takes: weight_quantization's, or the
+    finer one its role asks for (`_FINER_ROLES`); None without weight_quantization."""
+    name = gm.meta.get(WEIGHT_QUANTIZATION)
+    finer, kinds = _FINER_ROLES.get(name, (None, ()))
+    return finer if kinds and roles.role(node, products, constants) in kinds else name
+
+
+def finer_logits(result: PassResult) -> str | None:
+    """The format of the logits' product for a retry after `result` (this pass's): "float",
+    where it quantized the product; else None."""
+    return "float" if result.counts.get("logits quantized") else None
 
 
 def _rows(weight: torch.fx.Node) -> int | None:
