@@ -20,6 +20,7 @@ user through the logits of later steps, which the decode graph's own measure cov
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
@@ -125,7 +126,15 @@ def over_tolerance(name: str, error: dict[str, Any]) -> str:
                   "magnitude,")
     judged = error.get("logits_kl", error["relative_error"]) / error.get("slack", 1.0)
     return (f"{name} ({error['dtype']}): {figure} over {bound_name(error)}; the pass is undone for this graph "
-            f"(precision_tolerance={judged:.2g} or more would keep it)")
+            f"(precision_tolerance={_rounded_up(judged):g} or more would keep it)")
+
+
+def _rounded_up(value: float) -> float:
+    """`value` rounded up to two significant digits: a bound at least `value`."""
+    if not 0 < value < float("inf"):
+        return value
+    step = 10.0 ** (math.floor(math.log10(value)) - 1)
+    return round(math.ceil(value / step) * step, 12)
 
 
 class Bound:
