@@ -101,6 +101,8 @@ ROWWISE = {
     "rows gathered by arange": lambda m, h: h[torch.arange(h.shape[0]), (h > 0).long().argmax(-1)][:, None] * h,
     "pairs rotated as complex numbers": lambda m, h: torch.view_as_real(
         torch.view_as_complex(h.view(-1, 3, 2)) * torch.view_as_complex(m.table[:3, :2].contiguous())).flatten(1),
+    # In place after reinplace_intermediates (gelu_, hardswish_), which torch does not tag pointwise.
+    "activations a CNN runs": lambda m, h: F.hardswish(F.gelu(h * 2)),
     "rows sorted by expert and put back": lambda m, h: _experts(m, h, _inverse),
     "rows sorted by expert and added back": lambda m, h: _experts(
         m, h, lambda x, p: torch.zeros_like(h).index_add_(0, p // 2, x)),
