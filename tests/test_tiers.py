@@ -161,6 +161,9 @@ def test_auto_is_the_default_chooses_a_level_and_a_later_process_compiles_only_t
         [choice] = report.level_choices
         assert choice["level"] in (1, 2) and set(choice["seconds"]) == {"1", "2"}
         assert f"level of graph 0: {choice['level']} (" in str(report)
+        # The time to the choice: level 1 served from its compile until level 2 arrived and raced it.
+        assert 0 < choice["chosen_after_s"] < 600
+        assert f"chosen {choice['chosen_after_s']:g} s after level 1 compiled)" in str(report)
 
         torch._dynamo.reset()
         later = graphopt.optimize(model, config)

@@ -75,8 +75,9 @@ def _choice_line(choice: dict[str, Any]) -> str:
     if "level" not in choice:
         return head + "chosen at its first call"
     timed = ", ".join(f"level {k} {v * 1e6:.0f} us" for k, v in choice["seconds"].items() if v)
-    cached = ", chosen in an earlier process" if choice.get("cached") else ""
-    return head + f"{choice['level']} ({choice['reason']}{'; ' + timed if timed else ''}{cached})"
+    when = ", chosen in an earlier process" if choice.get("cached") else \
+        f", chosen {choice['chosen_after_s']:g} s after level 1 compiled" if "chosen_after_s" in choice else ""
+    return head + f"{choice['level']} ({choice['reason']}{'; ' + timed if timed else ''}{when})"
 
 
 def _executor_lines(e: dict[str, Any]) -> list[str]:

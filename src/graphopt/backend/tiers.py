@@ -87,6 +87,7 @@ class LevelChoice:
         self.runtimes, self.eager, self.stateful = runtimes, eager, stateful
         self.record, self.report, self.chosen, self.clock = record, report, chosen, clock
         self.pending, self.bound, self.released = pending, bound, released
+        self.born = time.monotonic()  # for the report: how long until the choice
         self.run: Callable = self._first if pending is None else self._waiting
         self.later, self._starting, self.first_inputs = later, threading.Lock(), None
         if later is not None:
@@ -177,7 +178,8 @@ class LevelChoice:
                 seconds = {level: 0.0 for level in agreeing if level == min(agreeing)}
         level = pick(seconds) if seconds else 0
         self.record.update(level=level, seconds={str(k): round(v, 7) for k, v in seconds.items()},
-                           reason=reason or _reason(seconds, level))
+                           reason=reason or _reason(seconds, level),
+                           chosen_after_s=round(time.monotonic() - self.born, 1))
         self.chosen(self.record)
         state.restore()
         self.run = self.runtimes.get(level, self.eager)
