@@ -77,12 +77,15 @@ class GraphRecord:
     gemms: dict[str, str] = field(default_factory=dict)  # level 2: each autotuned GEMM -> the kernel chosen, timed
     # compute_dtype: the error measured against full precision (passes/precision.py measured_error)
     precision: dict[str, Any] = field(default_factory=dict)
+    # The bytes of the weights the graph holds beyond the model's parameters (folded, packed,
+    # quantized): "new", computed for it; "shared", another graph's (passes/shared_weights.py).
+    weight_bytes: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "level": self.level, "nodes_before": self.nodes_before,
                 "nodes_after": self.nodes_after, "compile_seconds": round(self.compile_seconds, 3),
                 "fused_ops": dict(self.fused_ops), "cache_hit": self.cache_hit, "traced": self.traced,
-                "gemms": dict(self.gemms), "precision": dict(self.precision)}
+                "gemms": dict(self.gemms), "precision": dict(self.precision), "weight_bytes": dict(self.weight_bytes)}
 
 
 @dataclass

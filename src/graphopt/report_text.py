@@ -23,6 +23,9 @@ def render(report: Report) -> str:
                      f"{how} {g.compile_seconds:.2f}s")
         if g.fused_ops:
             lines.append("    fused ops: " + ", ".join(f"{k}={v}" for k, v in g.fused_ops.items()))
+        if any(g.weight_bytes.values()):
+            lines.append(f"    weights beyond the parameters: {g.weight_bytes['new'] / 2**20:.2f} MiB computed, "
+                         f"{g.weight_bytes['shared'] / 2**20:.2f} MiB shared with earlier graphs")
         lines.extend(f"    GEMM {gemm}: {choice}" for gemm, choice in g.gemms.items())
         if g.precision:
             lines.append(_precision_line(g.precision))

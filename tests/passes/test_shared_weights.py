@@ -41,6 +41,13 @@ def test_two_graphs_of_one_model_hold_one_copy_of_each_weight(options):
         one, two = step.graphs()
         assert held(one) and len(held(one)) == len(held(two)), (sorted(held(one)), sorted(held(two)))
         assert {id(t) for t in held(one).values()} == {id(t) for t in held(two).values()}
+        # The report says so: the first graph computed the values, the second took them.
+        nbytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                      for _, t in one.named_buffers()}.values())
+        records = step.report().graphs
+        assert [r.weight_bytes for r in records] == [{"new": nbytes, "shared": 0}, {"new": 0, "shared": nbytes}]
+        assert f"weights beyond the parameters: {nbytes / 2**20:.2f} MiB computed, 0.00 MiB shared" in \
+            str(step.report())
         model.up.weight.mul_(1.5)  # each graph's refresh() recomputes the one copy in place
         expected = [model(x, False), model(x, True)]
         tolerance = {"atol": 1e-5, "rtol": 1e-4} if not options else {"atol": 0.1, "rtol": 0.1}

@@ -32,7 +32,7 @@ from .._compat import fake
 from .._compat.names import tree_leaves
 from ..config import GraphOptimizationConfig
 from ..report import FallbackKind, GraphRecord, PassRecord, Report, first_line
-from . import lowered_error, precision, quantize
+from . import lowered_error, precision, quantize, shared_weights
 from .base import PassResult
 from .checks import GraphRun, PassVerificationError, Snapshot, check_same, graph_state, same_state
 from .fusion import fused_op_counts
@@ -175,7 +175,9 @@ class PassManager:
         if config.freeze_parameters and not matched:
             report.fallback(FallbackKind.NOT_FROZEN, "freeze_parameters: the ATen graph's inputs do not match "
                             "Dynamo's example inputs, so parameters stay live inputs")
+        offered = shared_weights.offered()
         self.run(gm, record.index, verify_inputs, inputs if real else None)
+        record.weight_bytes = shared_weights.held_bytes(gm, offered)
         record.nodes_after = _count_ops(gm.graph)
         record.precision = dict(gm.meta.get(precision.PRECISION_ERROR, {}))
         memory = memory_record(gm, record.index)  # set by the plan_memory pass
@@ -183,7 +185,8 @@ class PassManager:
             report.memory.append(memory)
         record.fused_ops = fused_op_counts(gm.graph)
         return {"record": {"nodes_before": record.nodes_before, "nodes_after": record.nodes_after,
-                           "fused_ops": dict(record.fused_ops), "precision": dict(record.precision)},
+                           "fused_ops": dict(record.fused_ops), "precision": dict(record.precision),
+                           "weight_bytes": dict(record.weight_bytes)},
                 "passes": report.passes[first_pass:], "memory": report.memory[first_plan:],
                 "fallbacks": report.fallbacks_since(fallbacks_before)}
 

@@ -105,6 +105,29 @@ def withdraw(value: torch.Tensor) -> bool:
     return True
 
 
+def offered() -> list[weakref.ref]:
+    """The values offered now, to tell a graph's own from those it took (`held_bytes`)."""
+    return [entry.value for entry in _VALUES.values()]
+
+
+def held_bytes(gm: torch.fx.GraphModule, before: list[weakref.ref]) -> dict[str, int]:
+    """The bytes of the values `gm` holds as buffers (folded, packed, converted or quantized
+    weights), each storage once: "new", computed for it, and "shared", taken from the
+    values offered `before` its passes ran (`offered()`'s)."""
+    earlier = {id(value) for ref in before if (value := ref()) is not None}
+    storages: dict[int, tuple[int, bool]] = {}
+    for _, buffer in gm.named_buffers():
+        if buffer.device.type == "meta" or buffer.is_sparse:
+            continue
+        storage = buffer.untyped_storage()
+        shared = id(buffer) in earlier or storages.get(storage.data_ptr(), (0, False))[1]
+        storages[storage.data_ptr()] = (storage.nbytes(), shared)
+    held = {"new": 0, "shared": 0}
+    for nbytes, shared in storages.values():
+        held["shared" if shared else "new"] += nbytes
+    return held
+
+
 class _Ref:
     """A node of a recipe, by its position, in the key's text."""
 
