@@ -1,6 +1,8 @@
 """Weights once per model (shared_weights.py): two graphs of one model that fold, pack or
 quantize the same weights the same way hold one copy, which refresh() still updates."""
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -97,3 +99,14 @@ def test_a_weight_level_2_would_transpose_in_place_is_copied_where_another_graph
 
 def shared_values() -> list[torch.Tensor]:
     return [v for entry in shared_weights._VALUES.values() if (v := entry.value()) is not None]
+
+
+def test_held_bytes_counts_each_storage_once_and_opaque_packed_weights_by_their_elements():
+    gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+    weight = torch.randn(64, 64)
+    gm.register_buffer("a", weight)
+    gm.register_buffer("a_view", weight[:8])  # the same storage
+    gm.register_buffer("packed", torch.randn(32, 64).to_mkldnn())  # oneDNN's layout: no storage
+    taken = torch.randn(16)
+    gm.register_buffer("taken", taken)
+    assert shared_weights.held_bytes(gm, [weakref.ref(taken)]) == {"new": (64 * 64 + 32 * 64) * 4, "shared": 16 * 4}

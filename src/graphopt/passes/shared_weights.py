@@ -117,11 +117,15 @@ def held_bytes(gm: torch.fx.GraphModule, before: list[weakref.ref]) -> dict[str,
     earlier = {id(value) for ref in before if (value := ref()) is not None}
     storages: dict[int, tuple[int, bool]] = {}
     for _, buffer in gm.named_buffers():
-        if buffer.device.type == "meta" or buffer.is_sparse:
+        if buffer.device.type == "meta":
             continue
-        storage = buffer.untyped_storage()
-        shared = id(buffer) in earlier or storages.get(storage.data_ptr(), (0, False))[1]
-        storages[storage.data_ptr()] = (storage.nbytes(), shared)
+        if buffer.layout == torch.strided:
+            storage = buffer.untyped_storage()
+            where, nbytes = storage.data_ptr(), storage.nbytes()
+        else:  # oneDNN's packed weights are opaque: no storage to read
+            where, nbytes = id(buffer), buffer.numel() * buffer.element_size()
+        shared = id(buffer) in earlier or storages.get(where, (0, False))[1]
+        storages[where] = (nbytes, shared)
     held = {"new": 0, "shared": 0}
     for nbytes, shared in storages.values():
         held["shared" if shared else "new"] += nbytes
