@@ -62,7 +62,10 @@ def test_a_faster_kernel_is_kept_and_each_shape_is_timed_once(monkeypatch):
     opt, out, expected = quantized("int8", torch.randn(4, 256))
     assert {p.name: p.counts for p in opt.report().passes}["quantize_weights"] == {"quantized": 3}
     assert len(quantize_timing._LOSES) == 1  # a and b share a shape; c is too small to time
-    assert len(timed) == 1 + len(quantize_timing._float_gemms(torch.randn(4, 256), torch.randn(256, 256)))
+    # The weight-only kernel and each float GEMM, in interleaved rounds.
+    sides = 1 + len(quantize_timing._float_gemms(torch.randn(4, 256), torch.randn(256, 256)))
+    assert len({id(fn) for fn in timed}) == sides and len(timed) == sides * quantize_timing._ROUNDS
+    assert [fn.__name__ for fn in timed[:sides]] == ["weight_only"] + ["<lambda>"] * (sides - 1)
 
 
 def test_the_timing_runs_each_kernel_at_the_traced_rows():

@@ -50,9 +50,9 @@ def loses(fmt: str, rows: int, out_features: int, in_features: int, dtype: torch
     if key not in _LOSES:
         with fake.outside_fake_mode(), torch.no_grad():  # the pass runs on fake values
             x = torch.randn(rows, in_features, dtype=dtype)
-            weight_only = _seconds(_kernel(fmt, x, out_features))
-            float_ = _fastest(_float_gemms(x, torch.randn(out_features, in_features, dtype=dtype)))
-            _LOSES[key] = weight_only > float_
+            gemms = _float_gemms(x, torch.randn(out_features, in_features, dtype=dtype))
+            weight_only, *float_ = _interleaved([_kernel(fmt, x, out_features), *gemms])
+            _LOSES[key] = weight_only > min(float_)
     return _LOSES[key]
 
 
@@ -105,18 +105,22 @@ def _float_gemms(x: torch.Tensor, w: torch.Tensor) -> list[Callable[[], torch.Te
     return gemms
 
 
-def _fastest(gemms: list[Callable[[], torch.Tensor]]) -> float:
-    return min(_seconds(gemm) for gemm in gemms)
+def _interleaved(fns: list[Callable[[], torch.Tensor]]) -> list[float]:
+    """Each of `fns`' fastest round's seconds per call, after a warm-up call each; the
+    rounds taken in turn, so that a machine whose speed drifts (a shared 2-core VM: up to
+    1.6x within an hour) drifts under every side alike."""
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(_ROUNDS):
+        best = [min(b, _seconds(fn)) for b, fn in zip(best, fns)]
+    return best
 
 
 def _seconds(fn: Callable[[], torch.Tensor]) -> float:
-    """The fastest of a few rounds' seconds per call, after a warm-up call."""
-    fn()
-    best = float("inf")
-    for _ in range(_ROUNDS):
-        calls, start = 0, time.perf_counter()
-        while (spent := time.perf_counter() - start) < _ROUND_SECONDS or calls < 2:
-            fn()
-            calls += 1
-        best = min(best, spent / calls)
-    return best
+    """One round's seconds per call: at least _ROUND_SECONDS and two calls."""
+    calls, start = 0, time.perf_counter()
+    while (spent := time.perf_counter() - start) < _ROUND_SECONDS or calls < 2:
+        fn()
+        calls += 1
+    return spent / calls
