@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .report import PlanRecord, Report
+    from .report import GraphRecord, PlanRecord, Report
 
 
 def render(report: Report) -> str:
@@ -13,30 +13,7 @@ def render(report: Report) -> str:
     choices, executors, device graphs, notes and fallbacks."""
     lines = [f"graphopt report: graph_opt_level={report.level}, {len(report.graphs)} graph(s), "
              f"compile {report.compile_seconds:.2f}s"]
-    for g in report.graphs:
-        how = "compiled in"
-        if g.cache_hit:
-            how = "loaded from the compile cache in" if g.traced else \
-                "loaded from the compile cache with its stored Dynamo trace in"
-        level = f" (level {g.level})" if report.level == "auto" else ""
-        lines.append(f"  graph {g.index}{level}: {g.nodes_before} -> {g.nodes_after} nodes, "
-                     f"{how} {g.compile_seconds:.2f}s")
-        if g.fused_ops:
-            lines.append("    fused ops: " + ", ".join(f"{k}={v}" for k, v in g.fused_ops.items()))
-        if any(g.weight_bytes.values()):
-            lines.append(f"    weights beyond the parameters: {g.weight_bytes['new'] / 2**20:.2f} MiB computed, "
-                         f"{g.weight_bytes['shared'] / 2**20:.2f} MiB shared with earlier graphs")
-        lines.extend(f"    GEMM {gemm}: {choice}" for gemm, choice in g.gemms.items())
-        if g.precision:
-            lines.append(_precision_line(g.precision))
-        for p in (p for p in report.passes if p.graph == g.index):
-            counts = ", ".join(f"{k}={v}" for k, v in p.counts.items()) or "-"
-            mark = "changed" if p.changed else "no change"
-            lines.append(f"    {p.name:<28} {mark:<10} {counts}")
-        lines.extend(f"    memory at {', '.join(f'{k}={v}' for k, v in m.sizes.items()) or 'static sizes'}: "
-                     f"{m.buffers} buffers, naive {m.naive_bytes / 1024:.1f} KiB, planned "
-                     f"{m.planned_bytes / 1024:.1f} KiB, largest {m.largest_buffer_bytes / 1024:.1f} KiB"
-                     for m in report.memory if m.graph == g.index)
+    lines.extend(line for g in report.graphs for line in _graph_lines(report, g))
     if report.cache_hits or report.cache_misses:
         lines.append(f"  compile cache: {report.cache_hits} hits, {report.cache_misses} misses"
                      + (f" ({report.cache_rebuilt} broken entries rebuilt)" if report.cache_rebuilt else "")
@@ -71,6 +48,35 @@ def render(report: Report) -> str:
                      for reason, n in report.fallbacks.items())
     lines.extend(f"  {n} x recompiled: {reason}" for reason, n in report.recompile_reasons.items())
     return "\n".join(lines)
+
+
+def _graph_lines(report: Report, g: GraphRecord) -> list[str]:
+    """Graph `g`'s block: its compile, fused ops, weights, GEMMs, precision, passes and memory plan."""
+    lines = []
+    how = "compiled in"
+    if g.cache_hit:
+        how = "loaded from the compile cache in" if g.traced else \
+            "loaded from the compile cache with its stored Dynamo trace in"
+    level = f" (level {g.level})" if report.level == "auto" else ""
+    lines.append(f"  graph {g.index}{level}: {g.nodes_before} -> {g.nodes_after} nodes, "
+                 f"{how} {g.compile_seconds:.2f}s")
+    if g.fused_ops:
+        lines.append("    fused ops: " + ", ".join(f"{k}={v}" for k, v in g.fused_ops.items()))
+    if any(g.weight_bytes.values()):
+        lines.append(f"    weights beyond the parameters: {g.weight_bytes['new'] / 2**20:.2f} MiB computed, "
+                     f"{g.weight_bytes['shared'] / 2**20:.2f} MiB shared with earlier graphs")
+    lines.extend(f"    GEMM {gemm}: {choice}" for gemm, choice in g.gemms.items())
+    if g.precision:
+        lines.append(_precision_line(g.precision))
+    for p in (p for p in report.passes if p.graph == g.index):
+        counts = ", ".join(f"{k}={v}" for k, v in p.counts.items()) or "-"
+        mark = "changed" if p.changed else "no change"
+        lines.append(f"    {p.name:<28} {mark:<10} {counts}")
+    lines.extend(f"    memory at {', '.join(f'{k}={v}' for k, v in m.sizes.items()) or 'static sizes'}: "
+                 f"{m.buffers} buffers, naive {m.naive_bytes / 1024:.1f} KiB, planned "
+                 f"{m.planned_bytes / 1024:.1f} KiB, largest {m.largest_buffer_bytes / 1024:.1f} KiB"
+                 for m in report.memory if m.graph == g.index)
+    return lines
 
 
 def _choice_line(choice: dict[str, Any]) -> str:
