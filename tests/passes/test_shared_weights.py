@@ -6,6 +6,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graphopt
 from graphopt.passes import shared_weights
@@ -109,4 +110,6 @@ def test_held_bytes_counts_each_storage_once_and_opaque_packed_weights_by_their_
     gm.register_buffer("packed", torch.randn(32, 64).to_mkldnn())  # oneDNN's layout: no storage
     taken = torch.randn(16)
     gm.register_buffer("taken", taken)
+    with FakeTensorMode():
+        gm.register_buffer("fake", torch.empty(1024))  # no memory: not counted
     assert shared_weights.held_bytes(gm, [weakref.ref(taken)]) == {"new": (64 * 64 + 32 * 64) * 4, "shared": 16 * 4}

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
+from .._compat import fake
 from .base import attribute
 
 # recipe key -> its entry
@@ -117,7 +118,7 @@ def held_bytes(gm: torch.fx.GraphModule, before: list[weakref.ref]) -> dict[str,
     earlier = {id(value) for ref in before if (value := ref()) is not None}
     storages: dict[int, tuple[int, bool]] = {}
     for _, buffer in gm.named_buffers():
-        if buffer.device.type == "meta":
+        if buffer.device.type == "meta" or fake.is_fake(buffer):  # no memory of its own
             continue
         if buffer.layout == torch.strided:
             storage = buffer.untyped_storage()
