@@ -52,7 +52,7 @@ def test_in_a_stack_of_linears_only_the_last_is_the_mlps_output():
 
 def test_a_product_that_reaches_attention_as_query_or_key_too_is_not_the_value():
     """A fused q/k/v product reaches attention in every slot: it is not the value projection,
-    so under int4 it keeps int4 (quantize.role_format)."""
+    so under int4 it keeps int4 (quantize.role_formats)."""
 
     class Fused(torch.nn.Module):
         def __init__(self):

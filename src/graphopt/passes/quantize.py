@@ -12,7 +12,7 @@ back; the error of both is measured with lower_precision's (`lowered_error.measu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 import torch.fx
@@ -90,7 +90,7 @@ def quantize_weights(gm: torch.fx.GraphModule) -> PassResult:
     A product whose weight's rows are the vocabulary of an embedding the graph reads (a
     causal LM's output projection) takes int8, or `gm.meta[LOGITS_FORMAT]` where the manager
     set one on a retry, counted apart ("logits quantized" / "logits skipped"). Under int4, the
-    attention's value projections and the MLPs' output projections take int8 (`role_format`),
+    attention's value projections and the MLPs' output projections take int8 (`role_formats`),
     counted as "int8 by role".
     """
     formats = _formats()
@@ -101,11 +101,11 @@ def quantize_weights(gm: torch.fx.GraphModule) -> PassResult:
     logits_fmt = formats.get(gm.meta.get(LOGITS_FORMAT, _LOGITS_FIRST[fmt.name]))
     constants, vocab = constant_nodes(gm), vocabularies(gm)
     products = weight_products(gm, constants)
-    formats_by_role = {node: role_format(gm, node, products, constants) for node in products}
+    by_role = role_formats(gm, products, constants)
     counts: dict[str, int] = {}
     for node, operands in products.items():
         logits = _rows(operands[1]) in vocab
-        chosen = logits_fmt if logits else formats.get(formats_by_role[node])
+        chosen = logits_fmt if logits else formats.get(by_role[node])
         done = "skipped" if chosen is None else _quantize(gm, node, operands, constants, chosen, fake_mode)
         kind = "logits " + done if logits else \
             "int8 by role" if done == "quantized" and chosen is not fmt else done
@@ -126,13 +126,18 @@ def weight_products(gm: torch.fx.GraphModule, constants: set[torch.fx.Node]) -> 
     return found
 
 
-def role_format(gm: torch.fx.GraphModule, node: torch.fx.Node, products: Any,
-                constants: set[torch.fx.Node]) -> str | None:
-    """The weight format `node`, one of `products`, takes: weight_quantization's, or the
-    finer one its role asks for (`_FINER_ROLES`); None without weight_quantization."""
+def role_formats(gm: torch.fx.GraphModule, products: Collection[torch.fx.Node],
+                 constants: set[torch.fx.Node] | None = None) -> dict[torch.fx.Node, str | None]:
+    """The weight format each of `products` (the graph's products of an input with a
+    weight) takes: weight_quantization's, or the finer one its role asks for
+    (`_FINER_ROLES`); None without weight_quantization. `constants`: constant_nodes(gm),
+    computed here where a role is asked for and they are not given."""
     name = gm.meta.get(WEIGHT_QUANTIZATION)
     finer, kinds = _FINER_ROLES.get(name, (None, ()))
-    return finer if kinds and roles.role(node, products, constants) in kinds else name
+    if not kinds:
+        return dict.fromkeys(products, name)
+    constants = constant_nodes(gm) if constants is None else constants
+    return {node: finer if roles.role(node, products, constants) in kinds else name for node in products}
 
 
 def finer_logits(result: PassResult) -> str | None:

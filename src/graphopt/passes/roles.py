@@ -27,22 +27,20 @@ import torch
 import torch.fx
 
 from .._compat.names import OpOverload
+from ..kernels import activation as _activation  # noqa: F401 - defines graphopt::silu_and_mul
+from ..kernels import decode_attention as _decode_attention  # noqa: F401 - defines graphopt::decode_attention
 from .base import CASTS, is_view
+from .fusion.attention import SDPA_OPS
 
 aten = torch.ops.aten
 
 VALUE, MLP_OUTPUT = "value projection", "MLP output projection"
 
-# Attention ops and the index of their value argument.
-_ATTENTION_VALUE = {
-    aten.scaled_dot_product_attention.default: 2,
-    aten._scaled_dot_product_flash_attention_for_cpu.default: 2,
-    aten._scaled_dot_product_flash_attention.default: 2,
-    aten._scaled_dot_product_efficient_attention.default: 2,
-    aten._scaled_dot_product_cudnn_attention.default: 2,
-}
-# graphopt's own ops that are elementwise in their tensor arguments (activation.py's).
-_ELEMENTWISE = ("silu_and_mul",)
+# Attention ops, each reading (query, key, value, ...).
+_ATTENTION = SDPA_OPS | {aten.scaled_dot_product_attention.default, torch.ops.graphopt.decode_attention.default}
+_VALUE_SLOT = 2
+# graphopt's own ops that are elementwise in their tensor arguments.
+_ELEMENTWISE = {torch.ops.graphopt.silu_and_mul.default}
 
 
 def role(node: torch.fx.Node, products: set[torch.fx.Node], constants: set[torch.fx.Node]) -> str | None:
@@ -63,15 +61,6 @@ def _input(product: torch.fx.Node) -> torch.fx.Node | None:
     return x if isinstance(x, torch.fx.Node) else None
 
 
-def _value_slot(target: object) -> int | None:
-    if target in _ATTENTION_VALUE:
-        return _ATTENTION_VALUE[target]
-    if isinstance(target, OpOverload) and target.namespace == "graphopt" \
-            and "decode_attention" in target._schema.name:
-        return 2
-    return None
-
-
 def _only_value(start: torch.fx.Node, products: set[torch.fx.Node]) -> bool:
     """Whether every attention `start`'s result reaches (before any other product or
     attention) reads it as its value, and at least one does."""
@@ -79,10 +68,9 @@ def _only_value(start: torch.fx.Node, products: set[torch.fx.Node]) -> bool:
     while todo:
         node = todo.pop()
         for user in node.users:
-            slot = _value_slot(user.target) if user.op == "call_function" else None
-            if slot is not None:
-                value = user.args[slot] if len(user.args) > slot else None
-                if value is not node or node in user.args[:slot]:
+            if user.op == "call_function" and user.target in _ATTENTION:
+                value = user.args[_VALUE_SLOT] if len(user.args) > _VALUE_SLOT else None
+                if value is not node or node in user.args[:_VALUE_SLOT]:
                     return False
                 reached = True
             elif user not in seen and user not in products and user.op == "call_function":
@@ -93,15 +81,11 @@ def _only_value(start: torch.fx.Node, products: set[torch.fx.Node]) -> bool:
 
 def _elementwise_or_view(node: torch.fx.Node) -> bool:
     target = node.target
-    if target is operator.getitem or target in CASTS or is_view(node):
+    if target is operator.getitem or target in CASTS or target in _ELEMENTWISE or is_view(node):
         return True
     if target is aten.split_with_sizes.default or target is aten.split.Tensor:
         return True
-    if not isinstance(target, OpOverload):
-        return False
-    if target.namespace == "graphopt":
-        return target._schema.name.split("::")[-1] in _ELEMENTWISE
-    return torch.Tag.pointwise in target.tags
+    return isinstance(target, OpOverload) and torch.Tag.pointwise in target.tags
 
 
 def _into_products(start: torch.fx.Node, products: set[torch.fx.Node]) -> bool:

@@ -11,8 +11,8 @@ import torch.fx
 from ..._compat import fake
 from ..._compat.shapes import same_sizes
 from ..base import GraphFacts, PassResult, alias_root, erase_dead
-from ..constant_fold import FROZEN_INPUTS, constant_nodes, fold_node
-from ..quantize import role_format
+from ..constant_fold import FROZEN_INPUTS, fold_node
+from ..quantize import role_formats
 from ..strides import restrided, set_values
 from . import FUSED_TAG
 from .linear import DecomposedLinear, decomposed_linear
@@ -40,7 +40,7 @@ def fuse_horizontal_linear(gm: torch.fx.GraphModule) -> PassResult:
     weight also used elsewhere stays as it is there. When only some linears have a
     bias, the others get zeros (adding 0 changes no value). Not fused: linears on
     different inputs, with different dtypes or with different weight formats (under int4, a
-    value projection takes int8: quantize.role_format), and groups whose split results
+    value projection takes int8: quantize.role_formats), and groups whose split results
     cannot replace the separate ones: a split piece is a strided view, so a view
     of it that needs contiguous memory, a write into it or a graph output (eager
     returns contiguous tensors) leaves the group alone.
@@ -51,12 +51,11 @@ def fuse_horizontal_linear(gm: torch.fx.GraphModule) -> PassResult:
         return PassResult(changed=False)
     facts = GraphFacts(gm.graph)
     found = [linear for node in gm.graph.nodes if (linear := decomposed_linear(node)) is not None]
-    products, constants = {linear.mm for linear in found}, constant_nodes(gm)
+    formats = role_formats(gm, {linear.mm for linear in found})
     groups: dict[tuple, list[DecomposedLinear]] = {}
     for linear in found:
         if _frozen_constants(gm, linear, frozen, facts):
-            weight_format = role_format(gm, linear.mm, products, constants)
-            groups.setdefault((linear.x, linear.flat_in is None, weight_format), []).append(linear)
+            groups.setdefault((linear.x, linear.flat_in is None, formats[linear.mm]), []).append(linear)
     fused = linears = 0
     for group in groups.values():
         if len(group) > 1 and _alike(group) and _fuse(gm, group, fake_mode):

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import sympy
 import torch
 
+from ..._compat import ops
 from ..._compat.names import tensor_leaves
 from ...kernels.collective import is_collective_op
 from .safety import named_arguments
@@ -146,29 +147,13 @@ def rowwise(call: Call) -> list:
     return call.follow()
 
 
-# Elementwise ops torch does not tag pointwise (torch 2.13: hardswish, a CNN's activation).
-UNTAGGED_POINTWISE = {"hardswish", "hardswish_"}
-
-
 def pointwise_rule(func: Any) -> Rule | None:
-    if torch.Tag.pointwise in getattr(func, "tags", ()) or _in_place_of_pointwise(func):
-        return pointwise
-    if getattr(func, "overloadpacket", None) is not None and func.overloadpacket.__name__ in UNTAGGED_POINTWISE:
+    if ops.is_pointwise(func):
         return pointwise
     if is_collective_op(func) and func.overloadpacket.__name__ in ("all_reduce", "all_reduce_", "allreduce_",
                                                                    "broadcast", "broadcast_"):
         return pointwise
     return None
-
-
-def _in_place_of_pointwise(func: Any) -> bool:
-    """An in-place op (`gelu_`) whose functional op is tagged pointwise: torch tags some
-    in-place ops (`relu_`) and not others (`gelu_`, which the re-inplacing passes make)."""
-    if torch.Tag.inplace not in getattr(func, "tags", ()):
-        return False
-    functional = getattr(torch.ops.aten, func.overloadpacket.__name__.rstrip("_"), None)
-    overload = getattr(functional, func._overloadname, None) if functional is not None else None
-    return overload is not None and torch.Tag.pointwise in overload.tags
 
 
 # Ops whose output holds the values of their one input: an index stays one through them.
