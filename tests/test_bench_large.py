@@ -1,6 +1,6 @@
 """`graphopt bench`'s ~1B decoder (decoder-1b), run on the tiny config (--quick): its
-table's rows and columns, the bandwidth floor per weight format, torchao left out with
-the reason where it does not import, start-up's time to the first token. No timing is
+table's rows and columns, the bandwidth floor per weight format, torchao and llama.cpp
+left out with the reason where they do not import, start-up's time to the first token. No timing is
 asserted."""
 
 import sys
@@ -128,6 +128,17 @@ def test_torchao_runs_on_decoding_workloads_only():
     contender = next(c for c in contenders("cpu") if c.key == "torchao-int8")
     with pytest.raises(Unavailable, match="decoding workloads only"):
         build(contender, resnet(QUICK), "cpu")
+
+
+def test_llama_cpp_runs_on_a_workload_loaded_from_a_gguf_file_only(monkeypatch, tmp_path):
+    contender = next(c for c in contenders("cpu") if c.key == "llama.cpp")
+    workload = llm.decoder_1b(QUICK)
+    with pytest.raises(Unavailable, match="loaded from a GGUF file"):
+        build(contender, workload, "cpu")
+    workload.gguf = tmp_path / "model.gguf"
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    with pytest.raises(Unavailable, match=r"llama-cpp-python does not import here \(.*llama_cpp.*\); CMAKE_ARGS=.*GGML_NATIVE=OFF"):
+        build(contender, workload, "cpu")
 
 
 def test_startup_of_the_decoder_gives_the_first_tokens_time_cold_and_warm():

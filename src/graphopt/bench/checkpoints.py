@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..passes import lowered_error
+from .llamacpp import LlamaCppStep
 from .workloads import Case, Sizes, Workload
 from .zoo import ZooUnavailable
 
@@ -39,8 +40,8 @@ SENTENCES = ("A man is eating food.", "A man is eating a piece of bread.", "The 
              "Do you like pizza at night?", "The dog plays in the garden.", "A woman watches TV.")
 # Weights' formats the decoder's rows read: graphopt's and torch's contenders in float32,
 # bfloat16, int8 and int4 (torchao's int rows on a bfloat16 copy, as its CPU recipe has it).
-CONTENDERS = ("eager", "compile", "compile-bf16", "torchao-int8", "torchao-int4", "default", "auto+frozen",
-              "L2+bf16", "L2+int8", "L2+int4")
+CONTENDERS = ("eager", "compile", "compile-bf16", "torchao-int8", "torchao-int4", "llama.cpp", "default",
+              "auto+frozen", "L2+bf16", "L2+int8", "L2+int4")
 
 
 def gemma3_270m(sizes: Sizes) -> Workload:
@@ -54,12 +55,8 @@ def gemma3_270m(sizes: Sizes) -> Workload:
                                                               dtype=sizes.dtype).eval().to(sizes.device)
     new_tokens = sizes.pick(4, 32, 32)
 
-    def run(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.inference_mode():  # as servers call it: a StaticCache of inference tensors
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
-                                 disable_compile=True, return_dict_in_generate=True, output_logits=True)
-        return out.sequences[:, ids.shape[1]:], out.logits[0].float()
+    def run(model: nn.Module | LlamaCppStep, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return greedy(model, ids, new_tokens)
 
     cases = [Case(f"generate() {new_tokens} tokens: {prompt!r}", tokenizer(prompt, return_tensors="pt").input_ids,
                   run, new_tokens, "tokens", judge=judge) for prompt in PROMPTS[:sizes.pick(1, 4, 4)]]
@@ -69,16 +66,31 @@ def gemma3_270m(sizes: Sizes) -> Workload:
     title = "Gemma-3 270M (the registry's Q4_K_M GGUF, de-quantized by transformers), " \
             f"{sizes.dtype}, generate() greedy with a static cache, batch 1"
     return Workload("gemma3-270m", title, model, cases, capture_sizes=[1], exact=True, wraps_forward=True,
-                    contenders=CONTENDERS, onnx_unsupported="generate() is a Python loop over a StaticCache")
+                    first_token=lambda step: greedy(step, cases[0].inputs, 1), contenders=CONTENDERS,
+                    onnx_unsupported="generate() is a Python loop over a StaticCache", gguf=path)
 
 
-def next_token_losses(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def greedy(model: nn.Module | LlamaCppStep, ids: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`new_tokens` greedy tokens after `ids` and the first one's logits, by generate() with a
+    static cache under inference mode (as servers call it), or by llama.cpp."""
+    if isinstance(model, LlamaCppStep):
+        return model.greedy(ids, new_tokens)
+    with torch.inference_mode():  # a StaticCache of inference tensors
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
+                             disable_compile=True, return_dict_in_generate=True, output_logits=True)
+    return out.sequences[:, ids.shape[1]:], out.logits[0].float()
+
+
+def next_token_losses(model: nn.Module | LlamaCppStep, ids: torch.Tensor) -> torch.Tensor:
     """-log p(token | the tokens before it) at each position of `ids` after the first,
     one token a step through a static cache: the decode step, which serves generate()'s
     tokens. One forward over the whole text would judge a prefill graph instead, whose
     products keep float weights where the weight-only kernels lose at its rows."""
     import transformers
 
+    if isinstance(model, LlamaCppStep):
+        return model.losses(ids)
     cache = transformers.StaticCache(config=model.config, max_cache_len=ids.shape[1])
     with torch.inference_mode():
         logits = torch.cat([model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True,

@@ -32,7 +32,7 @@ class Contender:
 
     key: str
     name: str
-    kind: str                 # eager | torch.compile | graphopt | onnxruntime | openvino | openvino-onnx
+    kind: str                 # eager | torch.compile | torchao | graphopt | onnxruntime | openvino(-onnx) | llama.cpp
     level: int | str = 0      # graph_opt_level: 0, 1, 2 or "auto"
     device_graphs: bool = False
     mode: str | None = None   # torch.compile's mode
@@ -78,7 +78,7 @@ TUNED = {"cpu": {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 # Left out of a run unless named (the zoo runs them by default): they would lengthen
 # every workload's run and table.
 OPT_IN = ("compile-max", "default", "auto", "L1+int8", "L2+bf16", "compile-bf16", "torchao-int8", "torchao-int4",
-          "L2+int8", "L2+int4")
+          "L2+int8", "L2+int4", "llama.cpp")
 # On random weights int4's error is a sizeable share of the logits' magnitude: past graphopt's default
 # precision_tolerance, which would undo it. Its contender accepts this much, and the table shows the error.
 INT4_TOLERANCE = 0.5
@@ -108,6 +108,8 @@ def contenders(device: str) -> list[Contender]:
         found.append(Contender(f"torchao-{fmt}", f"torchao {fmt} + torch.compile", "torchao",
                                weight_quantization=fmt, model_dtype="bfloat16",
                                tolerance=INT4_TOLERANCE if fmt == "int4" else INT8_TOLERANCE))
+    # The GGUF a workload was loaded from, read by llama.cpp in the file's own formats.
+    found.append(Contender("llama.cpp", "llama.cpp, same GGUF", "llama.cpp", weight_quantization="gguf"))
     # What a user gets with no options: level "auto" with device graphs, the default capture sizes.
     found.append(Contender("default", "graphopt default", "graphopt", "auto", True, defaults=True))
     # Level "auto" on the workload's own config (its capture sizes): what a server sets.
@@ -159,6 +161,8 @@ def build(contender: Contender, workload: Workload, device: str) -> Step:
         return workload.bind(lambda target: torch.compile(target, mode=contender.mode), contender.model_torch_dtype)
     if contender.kind == "torchao":
         return _torchao(contender, workload, device)
+    if contender.kind == "llama.cpp":
+        return _llama_cpp(workload, device)
     if contender.defaults:
         return workload.bind(lambda target: optimize(target, pad_values=workload.pad_values))
     if contender.kind == "graphopt":
@@ -210,7 +214,7 @@ def _torchao(contender: Contender, workload: Workload, device: str) -> Step:
     from . import llm
 
     if workload.first_token is None:
-        raise Unavailable("run on the decoding workloads only (decoder-1b)")
+        raise Unavailable("run on the decoding workloads only")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -220,6 +224,18 @@ def _torchao(contender: Contender, workload: Workload, device: str) -> Step:
                           "'graphopt[bench]'") from None
     except Exception as error:  # noqa: BLE001 - a torchao that cannot quantize this model loses its row only
         raise Unavailable(f"torchao's quantize_ failed: {type(error).__name__}: {first_line(error)[:160]}") from None
+
+
+def _llama_cpp(workload: Workload, device: str) -> Step:
+    """llama.cpp on the GGUF file the workload's model was loaded from (llamacpp.py)."""
+    from .llamacpp import BUILD, LlamaCppStep
+
+    if workload.gguf is None or device.startswith("cuda"):
+        raise Unavailable("runs on a workload loaded from a GGUF file, on the CPU")
+    try:
+        return LlamaCppStep(workload.gguf, torch.get_num_threads())
+    except ImportError as error:
+        raise Unavailable(f"llama-cpp-python does not import here ({first_line(error)[:80]}); {BUILD}") from None
 
 
 def _openvino(workload: Workload, device: str) -> Step:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -77,6 +78,7 @@ class Workload:
     # Runs a step to its first token (start-up's time to the first token), where the cases decode.
     first_token: Callable[[Step], Any] | None = None
     contenders: tuple[str, ...] | None = None  # the contenders it runs unless --contenders names others
+    gguf: Path | None = None  # the GGUF file the model was loaded from: llama.cpp reads it itself
 
     def in_float32(self) -> Step | None:
         """The model run eagerly in float32, when it runs in half precision: the truth
