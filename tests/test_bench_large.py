@@ -137,7 +137,7 @@ def test_llama_cpp_runs_on_a_workload_loaded_from_a_gguf_file_only(monkeypatch, 
         build(contender, workload, "cpu")
     workload.gguf = tmp_path / "model.gguf"
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
-    with pytest.raises(Unavailable, match=r"llama-cpp-python does not import here \(.*llama_cpp.*\); CMAKE_ARGS=.*GGML_NATIVE=OFF"):
+    with pytest.raises(Unavailable, match=r"llama-cpp-python does not import here \(.*\); CMAKE_ARGS=.*NATIVE=OFF"):
         build(contender, workload, "cpu")
 
 

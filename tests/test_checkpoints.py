@@ -55,6 +55,21 @@ def test_gemma_with_quantized_weights_keeps_them_within_the_next_token_kl(gemma,
     assert kept and all("logits_kl" in p for p in kept), [g.precision for g in report.graphs]
 
 
+def test_llama_cpp_on_the_same_gguf_keeps_eagers_next_token_and_perplexity(gemma):
+    """llama.cpp reads the file's own formats, which eager de-quantized: what differs is its
+    arithmetic (8-bit activations in its dot products), a small share of a nat."""
+    pytest.importorskip("llama_cpp")
+    from graphopt.bench.llamacpp import LlamaCppStep
+
+    step = LlamaCppStep(gemma.gguf, torch.get_num_threads())
+    [case, text] = gemma.cases
+    within, kl, _, _ = checkpoints.judge(case.call(step, case.inputs), case.call(gemma.model, case.inputs), 0.05)
+    assert within, kl
+    within, ppl, relative, _ = checkpoints.judge_perplexity(text.call(step, text.inputs),
+                                                            text.call(gemma.model, text.inputs), 0.03)
+    assert within, (ppl, relative)
+
+
 def test_minilm_embeddings_in_bfloat16_and_int8_keep_every_sentences_cosine():
     sizes = Sizes(quick=False, device="cpu")
     workload = checkpoints.minilm(sizes)

@@ -120,18 +120,30 @@ def test_a_level_that_fails_leaves_the_other_serving_and_says_why():
     out = choice(torch.ones(3), state)
     assert torch.equal(out[0], torch.full((3,), 2.0))
     assert received[0]["level"] == 1
-    assert received[0]["reason"] == "level 1 is the only level whose outputs equal eager's"
+    assert received[0]["reason"] == ("level 1 is the only level whose outputs equal eager's (level 2 failed on its "
+                                     "first call (RuntimeError: boom))")
     assert report.fallback_counts == {FallbackKind.LEVEL: 1}
 
 
-def test_a_level_whose_outputs_differ_from_eager_is_not_a_candidate():
+def test_a_level_whose_outputs_differ_from_eager_is_not_a_candidate_and_the_reason_gives_the_tolerance():
     clock = FakeClock()
-    wrong = fake_runtime(clock, 1e-4, torch.zeros(3), result=torch.zeros(3))
+    # eager's output is 2.0 everywhere; 1e-3 off is past float32's 1e-4 + 1e-4 x 2.0
+    wrong = fake_runtime(clock, 1e-4, torch.zeros(3), result=torch.tensor([2.0, 2.001, 2.0]))
     choice, state, report, received = choice_of({1: 2e-3, 2: 1e-3})
     choice.runtimes[2] = wrong  # the faster one is wrong: never chosen
     choice(torch.ones(3), state)
     assert received[0]["level"] == 1
+    assert received[0]["reason"] == (
+        "level 1 is the only level whose outputs equal eager's (level 2 gave output 0 that differs from eager's by "
+        "up to 0.001 (at |eager| = 2), beyond float32's |diff| <= 0.0001 + 0.0001 x |eager| (config.TOLERANCES))")
     assert report.fallback_counts == {FallbackKind.LEVEL: 1}
+
+
+def test_how_unequal_names_shape_and_dtype_before_values():
+    assert candidates.how_unequal(torch.zeros(2, 3), torch.zeros(3, 2)) == \
+        "is torch.float32 (2, 3) where eager's is torch.float32 (3, 2)"
+    assert candidates.how_unequal(torch.zeros(3, dtype=torch.bfloat16), torch.zeros(3)) == \
+        "is torch.bfloat16 (3,) where eager's is torch.float32 (3,)"
 
 
 class MLP(torch.nn.Module):

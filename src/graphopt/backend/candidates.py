@@ -32,6 +32,21 @@ def first_unequal(got: Sequence[Any], expected: Sequence[Any], equal_nan: bool =
     return None
 
 
+def how_unequal(got: torch.Tensor, expected: torch.Tensor) -> str:
+    """How `got` differs from eager's `expected`, with the tolerance it is held to:
+    "differs from eager's by up to 3.1e-03 (at |eager| = 0.52), beyond float32's |diff| <= 1e-04 + 1e-04 x |eager|"."""
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        return (f"is {got.dtype} {tuple(got.shape)} where eager's is {expected.dtype} {tuple(expected.shape)}")
+    atol, rtol = tolerance(expected.dtype)
+    excess = ((got.double() - expected.double()).abs() - rtol * expected.double().abs()).nan_to_num(float("inf"))
+    worst = int(excess.flatten().argmax()) if excess.numel() else 0
+    diff = (got.double() - expected.double()).abs().flatten()[worst].item()
+    at = expected.double().abs().flatten()[worst].item()
+    name = str(expected.dtype).removeprefix("torch.")
+    return (f"differs from eager's by up to {diff:.2g} (at |eager| = {at:.2g}), beyond {name}'s "
+            f"|diff| <= {atol:g} + {rtol:g} x |eager| (config.TOLERANCES)")
+
+
 def median_seconds(candidates: dict[Name, Callable], args: Sequence[Any], rounds: int, round_seconds: float,
                    before_run: Callable[[], None] = lambda: None,
                    clock: Callable[[], float] = time.perf_counter) -> dict[Name, float]:

@@ -312,8 +312,9 @@ def _judged(executor: Executor, inputs: list, expected: list, tolerance: float |
         unequal = candidates.first_unequal(got, expected)
         if unequal is not None:
             report.fallback(FallbackKind.EXECUTOR,
-                            f"executors: {executor.name}'s output {unequal} of a graph differs from eager's beyond "
-                            "config.py's tolerances; it runs on graphopt's compiled code")
+                            f"executors: {executor.name}'s output {unequal} of a graph "
+                            f"{candidates.how_unequal(got[unequal], expected[unequal])}; "
+                            "it runs on graphopt's compiled code")
         return unequal is None, None
     error = lowered_error.error_record(engines.DTYPES[executor.precision], [e for _, e in pairs],
                                    [g for g, _ in pairs], tolerance)

@@ -156,7 +156,7 @@ class LevelChoice:
         state = _State([args[i] for i in self.stateful])
         with torch.no_grad():
             expected, reference = _outputs(self.eager(*args)), "eager"
-            agreeing = {}
+            agreeing, refused = {}, {}
             for level, runtime in sorted(self.runtimes.items()):
                 state.restore()
                 got, why = _disagreement(runtime, args, expected, self.bound, reference)
@@ -165,6 +165,7 @@ class LevelChoice:
                     if self.bound is not None:  # the lowering's own results (a copy: level 1's are replayed into)
                         expected, reference = [_copy(x) for x in got], f"level {level}"
                 else:
+                    refused[level] = why
                     self.report.fallback(FallbackKind.LEVEL,
                                          f"graph_opt_level='auto': level {level} of graph {self.record['graph']} "
                                          f"{why}; it is not a candidate")
@@ -178,7 +179,7 @@ class LevelChoice:
                 seconds = {level: 0.0 for level in agreeing if level == min(agreeing)}
         level = pick(seconds) if seconds else 0
         self.record.update(level=level, seconds={str(k): round(v, 7) for k, v in seconds.items()},
-                           reason=reason or _reason(seconds, level),
+                           reason=reason or _reason(seconds, level, refused),
                            chosen_after_s=round(time.monotonic() - self.born, 1))
         self.chosen(self.record)
         state.restore()
@@ -275,11 +276,12 @@ def stateful_inputs(kinds: Sequence[str], example_inputs: Sequence[Any]) -> list
             if isinstance(x, torch.Tensor) and kind != "parameter"]
 
 
-def _reason(seconds: dict[int, float], level: int) -> str:
+def _reason(seconds: dict[int, float], level: int, refused: dict[int, str]) -> str:
     if not seconds:
         return "no level's outputs equal eager's: the graph runs eagerly"
     if len(seconds) == 1:
-        return f"level {level} is the only level whose outputs equal eager's"
+        whys = "; ".join(f"level {other} {why}" for other, why in refused.items())
+        return f"level {level} is the only level whose outputs equal eager's" + (f" ({whys})" if whys else "")
     other = next(k for k in seconds if k != level)
     return f"{seconds[other] / seconds[level]:.2f}x level {other} on its first call's inputs"
 
@@ -332,7 +334,7 @@ def _disagreement(runtime: Callable, args: Sequence[Any], expected: list[Any], b
         return got, _past_bound(got, expected, judged, reference)
     unequal = candidates.first_unequal(got, expected, equal_nan=True)
     if unequal is not None:
-        return got, f"gave output {unequal} unequal to eager's beyond config.py's tolerances"
+        return got, f"gave output {unequal} that {candidates.how_unequal(got[unequal], expected[unequal])}"
     return got, None
 
 

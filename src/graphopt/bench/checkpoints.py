@@ -15,6 +15,7 @@ embedding to float32's.
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import zipfile
@@ -66,8 +67,17 @@ def gemma3_270m(sizes: Sizes) -> Workload:
     title = "Gemma-3 270M (the registry's Q4_K_M GGUF, de-quantized by transformers), " \
             f"{sizes.dtype}, generate() greedy with a static cache, batch 1"
     return Workload("gemma3-270m", title, model, cases, capture_sizes=[1], exact=True, wraps_forward=True,
-                    first_token=lambda step: greedy(step, cases[0].inputs, 1), contenders=CONTENDERS,
+                    make_copy=shared_copy, first_token=lambda step: greedy(step, cases[0].inputs, 1),
+                    contenders=CONTENDERS,
                     onnx_unsupported="generate() is a Python loop over a StaticCache", gguf=path)
+
+
+def shared_copy(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
+    """A contender's copy of the model: its parameters shared with the model's (eleven
+    contenders would otherwise hold eleven float32 copies of a GiB), or cast to `dtype`."""
+    if dtype is not None:
+        return copy.deepcopy(model).to(dtype)
+    return copy.deepcopy(model, {id(p): p for p in model.parameters()})
 
 
 def greedy(model: nn.Module | LlamaCppStep, ids: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
