@@ -5,6 +5,7 @@ on to since."""
 import torch
 
 import graphopt
+from graphopt._compat import mkldnn
 from graphopt.backend import tiers
 
 
@@ -28,11 +29,13 @@ class CountedCache(torch.nn.Module):
         self.length.zero_()
 
 
-def test_wait_for_background_measures_a_deferred_level_2_on_the_first_calls_state():
+def test_wait_for_background_measures_a_deferred_level_2_on_the_first_calls_state(monkeypatch):
     """generate() runs a graph once (its prefill), then other graphs advance the cache's
     counter to its end; wait_for_background() then starts the prefill's level 2. Measured
     on the counter as it is now, the lowered graph indexed past the cache ("index 4 is out
-    of bounds"), and level 2 failed for good."""
+    of bounds"), and level 2 failed for good. bfloat16 is lowered whatever the CPU (one
+    without native bfloat16 would refuse it, and the lowered path would not run)."""
+    monkeypatch.setattr(mkldnn, "cpu_has_native_bf16", lambda: True)
     torch.manual_seed(0)
     model, x = CountedCache().eval(), torch.randn(16)
     config = graphopt.GraphOptimizationConfig(graph_opt_level="auto", cache_dir=None, use_cudagraph=False,

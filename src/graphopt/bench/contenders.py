@@ -102,13 +102,11 @@ def contenders(device: str) -> list[Contender]:
                            mode="max-autotune-no-cudagraphs"))
     # Fewer bytes per weight the way users get them from torch: a bfloat16 model, torchao's weight-only formats.
     found.append(Contender("compile-bf16", "torch.compile bfloat16", "torch.compile", model_dtype="bfloat16"))
-    # On a bfloat16 copy, as torchao's CPU recipe has it: torch's int8 and int4 CPU kernels take
-    # bfloat16 activations, and on float32 ones torchao ran the ~1B decoder slower than eager.
+    # On a bfloat16 copy (torchao's CPU recipe: on float32 activations its kernels ran slower than eager).
     for fmt in ("int8", "int4"):
         found.append(Contender(f"torchao-{fmt}", f"torchao {fmt} + torch.compile", "torchao",
                                weight_quantization=fmt, model_dtype="bfloat16",
                                tolerance=INT4_TOLERANCE if fmt == "int4" else INT8_TOLERANCE))
-    # The GGUF a workload was loaded from, read by llama.cpp in the file's own formats.
     found.append(Contender("llama.cpp", "llama.cpp, same GGUF", "llama.cpp", weight_quantization="gguf"))
     # What a user gets with no options: level "auto" with device graphs, the default capture sizes.
     found.append(Contender("default", "graphopt default", "graphopt", "auto", True, defaults=True))
