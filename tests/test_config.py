@@ -220,7 +220,7 @@ def test_unknown_key_suggestion_through_json():
 
 
 def test_unknown_key_without_close_match():
-    with pytest.raises(ValueError, match=r"unknown .*'zzzz'\. Accepted keys: graph_opt_level, use_cudagraph") as info:
+    with pytest.raises(ValueError, match=r"unknown .*'zzzz'\. Accepted keys: graph_opt_level, level_choice, use_cudagraph") as info:
         GraphOptimizationConfig.from_dict({"zzzz": 1})
     assert "did you mean" not in str(info.value)
 

@@ -159,23 +159,22 @@ def test_auto_is_the_default_chooses_a_level_and_a_later_process_compiles_only_t
     torch.manual_seed(0)
     model, x = MLP().eval(), torch.randn(4, 32)
     config = graphopt.GraphOptimizationConfig(cache_dir=str(tmp_path), max_num_seqs=4)
-    assert config.graph_opt_level == "auto"
+    assert (config.graph_opt_level, config.level_choice) == ("auto", "first_call")
     with torch.no_grad():
         expected = model(x)
         first = graphopt.optimize(model, config)
         atol, rtol = tolerance(torch.float32)
-        torch.testing.assert_close(first(x), expected, atol=atol, rtol=rtol)  # level 1, level 2 in the background
-        assert tiers.wait_for_background(timeout=600)
-        torch.testing.assert_close(first(x), expected, atol=atol, rtol=rtol)  # the choice
-        torch.testing.assert_close(first(x), expected, atol=atol, rtol=rtol)
+        torch.testing.assert_close(first(x), expected, atol=atol, rtol=rtol)  # both levels, and the choice
         report = first.report()
         assert len(report.graphs) == 2  # one graph, compiled at both levels
         [choice] = report.level_choices
         assert choice["level"] in (1, 2) and set(choice["seconds"]) == {"1", "2"}
         assert f"level of graph 0: {choice['level']} (" in str(report)
-        # The time to the choice: level 1 served from its compile until level 2 arrived and raced it.
-        assert 0 < choice["chosen_after_s"] < 600
-        assert f"chosen {choice['chosen_after_s']:g} s after level 1 compiled)" in str(report)
+        # The time to the choice: from the graph's compile (both levels) to the race's end.
+        compiled = sum(g.compile_seconds for g in report.graphs)
+        assert compiled - 0.1 <= choice["chosen_after_s"] < compiled + 60
+        assert f"chosen {choice['chosen_after_s']:g} s after its compile began)" in str(report)
+        torch.testing.assert_close(first(x), expected, atol=atol, rtol=rtol)
 
         torch._dynamo.reset()
         later = graphopt.optimize(model, config)
@@ -197,18 +196,21 @@ def test_auto_is_the_default_chooses_a_level_and_a_later_process_compiles_only_t
 
 
 def test_level_2_starts_at_a_graphs_second_call_so_the_first_pays_level_1_alone():
-    """On the CPU the first call compiles level 1 only (on the ~1B decoder with frozen
-    weights, level 2's tracing and passes had made it 45 s instead of 16 s); the second
-    starts level 2, whose code the child generates while level 1 serves."""
+    """With level_choice="background", on the CPU the first call compiles level 1 only (on
+    the ~1B decoder with frozen weights, level 2's tracing and passes had made it 45 s
+    instead of 16 s); the second starts level 2, whose code the child generates while
+    level 1 serves."""
     torch.manual_seed(0)
     model, x = MLP().eval(), torch.randn(4, 32)
-    config = graphopt.GraphOptimizationConfig(graph_opt_level="auto", cache_dir=None, use_cudagraph=False)
+    config = graphopt.GraphOptimizationConfig(graph_opt_level="auto", level_choice="background", cache_dir=None,
+                                              use_cudagraph=False)
     atol, rtol = tolerance(torch.float32)
     with torch.no_grad():
         expected = model(x)
         optimized = graphopt.optimize(model, config)
         torch.testing.assert_close(optimized(x), expected, atol=atol, rtol=rtol)
         assert [g.level for g in optimized.report().graphs] == [1]
+        assert "level of graph 0: not chosen yet: level 1 serves" in str(optimized.report())
         torch.testing.assert_close(optimized(x), expected, atol=atol, rtol=rtol)  # level 1; level 2 started
         assert [g.level for g in optimized.report().graphs] == [1, 2]
         assert tiers.wait_for_background(timeout=600)
@@ -301,9 +303,7 @@ def test_auto_with_int8_weights_chooses_between_the_quantized_levels():
                                               use_cudagraph=False)
     opt = graphopt.optimize(model, config)
     with torch.no_grad():
-        opt(x)  # level 1; level 2 compiles in the background
-        assert graphopt.wait_for_background(timeout=600)
-        expected, out = model(x), opt(x)
+        expected, out = model(x), opt(x)  # both levels, chosen between
     [choice] = opt.report().level_choices
     assert choice["level"] in (1, 2) and set(choice["seconds"]) == {"1", "2"}, choice
     assert not opt.report().fallbacks, opt.report().fallbacks
@@ -316,6 +316,8 @@ def test_auto_is_a_level_the_config_accepts():
     assert graphopt.GraphOptimizationConfig(graph_opt_level="auto").graph_opt_level == "auto"
     with pytest.raises(TypeError, match=r"graph_opt_level must be an int in \{0, 1, 2\} or 'auto', got 'fast' \(str\)"):
         graphopt.GraphOptimizationConfig(graph_opt_level="fast")
+    with pytest.raises(ValueError, match=r"level_choice must be one of 'first_call', 'background', got 'later'"):
+        graphopt.GraphOptimizationConfig(level_choice="later")
 
 
 def test_a_level_2_that_fails_to_compile_leaves_level_1_serving_and_says_why():
@@ -402,7 +404,7 @@ class Attention(torch.nn.Module):
 def test_auto_compiles_level_2_in_a_child_process_with_graphopts_passes_and_swaps_it_in():
     torch.manual_seed(0)
     model, x = Attention().eval(), torch.randn(2, 16, 32)
-    config = graphopt.GraphOptimizationConfig(graph_opt_level="auto", cache_dir=None)
+    config = graphopt.GraphOptimizationConfig(graph_opt_level="auto", level_choice="background", cache_dir=None)
     atol, rtol = tolerance(torch.float32)
     with torch.no_grad():
         expected = model(x)
@@ -424,7 +426,7 @@ def test_auto_compiles_a_decoders_level_2_in_a_child_process():
     default: `prims.convert_element_type` (a decomposed `.float()`), graphopt's operators,
     and fake values that are views (from pattern replacements)."""
     model = SPELLINGS["sdpa"]().eval()
-    config = graphopt.GraphOptimizationConfig(graph_opt_level="auto", cache_dir=None)
+    config = graphopt.GraphOptimizationConfig(graph_opt_level="auto", level_choice="background", cache_dir=None)
     atol, rtol = tolerance(torch.float32)
     with torch.no_grad():
         optimized = graphopt.optimize(model, config)
@@ -451,7 +453,8 @@ def test_a_graph_a_child_cannot_take_is_compiled_at_once_and_says_why(monkeypatc
     atol, rtol = tolerance(torch.float32)
     with torch.no_grad():
         expected = model(x)
-        optimized = graphopt.optimize(model, graphopt.GraphOptimizationConfig(graph_opt_level="auto", cache_dir=None))
+        optimized = graphopt.optimize(model, graphopt.GraphOptimizationConfig(graph_opt_level="auto", cache_dir=None,
+                                                                              level_choice="background"))
         for _ in range(2):
             torch.testing.assert_close(optimized(x), expected, atol=atol, rtol=rtol)
     report = optimized.report()
@@ -462,10 +465,10 @@ def test_a_graph_a_child_cannot_take_is_compiled_at_once_and_says_why(monkeypatc
     assert "not in a child process (Inductor could not pickle the graph)" in why
 
 
-def test_a_child_compile_that_fails_leaves_level_1_serving_and_says_why_end_to_end():
+def test_a_child_compile_that_fails_is_tried_in_this_process_and_both_failures_are_said_end_to_end():
     model, x = MLP().eval(), torch.randn(4, 32)
-    # A compiler the child cannot run: level 2 fails there and nowhere else.
-    config = graphopt.GraphOptimizationConfig(graph_opt_level="auto", cache_dir=None,
+    # A compiler that cannot run: level 2 fails in the child, then in this process.
+    config = graphopt.GraphOptimizationConfig(graph_opt_level="auto", level_choice="background", cache_dir=None,
                                               inductor_compile_config={"cpp.cxx": "/nonexistent/c++"})
     atol, rtol = tolerance(torch.float32)
     with torch.no_grad():
@@ -475,10 +478,62 @@ def test_a_child_compile_that_fails_leaves_level_1_serving_and_says_why_end_to_e
         assert tiers.wait_for_background(timeout=600)
         torch.testing.assert_close(optimized(x), expected, atol=atol, rtol=rtol)
     [choice] = optimized.report().level_choices
-    assert choice["level"] == 1 and "No working C++ compiler" in choice["reason"]
+    assert choice["level"] == 1 and choice["reason"].startswith("level 2 failed to compile in the background (")
+    child, here = choice["reason"].split(", and in this process (")
+    assert "No working C++ compiler" in child and "No working C++ compiler" in here, choice["reason"]
     assert list(optimized.report().fallbacks) == [
         f"graph_opt_level='auto': {choice['reason']}; level 1 serves graph 0"]
-    assert choice["reason"].startswith("level 2 failed to compile in the background (")
+
+
+def test_a_child_compile_that_fails_hands_level_2_to_this_process(monkeypatch):
+    """What compiles here must not be lost to the trip to the child (the harness's timm
+    CNNs met a child-only `ValueError: Exponent must be non-negative.`): the call that
+    finds the child failed compiles level 2 here, and the choice goes on."""
+    from concurrent.futures import Future
+
+    def child_fails(pickled, env):
+        failed = Future()
+        failed.set_exception(ValueError("Exponent must be non-negative."))
+        return failed
+
+    monkeypatch.setattr(background, "_submit", child_fails)
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(4, 32)
+    config = graphopt.GraphOptimizationConfig(graph_opt_level="auto", level_choice="background", cache_dir=None,
+                                              use_cudagraph=False)
+    atol, rtol = tolerance(torch.float32)
+    with torch.no_grad():
+        expected = model(x)
+        optimized = graphopt.optimize(model, config)
+        for _ in range(2):
+            torch.testing.assert_close(optimized(x), expected, atol=atol, rtol=rtol)
+        assert tiers.wait_for_background(timeout=600)
+        torch.testing.assert_close(optimized(x), expected, atol=atol, rtol=rtol)  # compiles here, then chooses
+    report = optimized.report()
+    [choice] = report.level_choices
+    assert set(choice["seconds"]) == {"1", "2"}, choice
+    assert [g.level for g in report.graphs] == [1, 2, 2]  # level 2 traced for the child, then again here
+    [why] = report.reasons(FallbackKind.IN_FOREGROUND)
+    assert why == ("graph_opt_level='auto': level 2 failed to compile in the background (ValueError: Exponent must "
+                   "be non-negative.); level 2 of graph 0 was compiled in this process instead, during a call")
+
+
+def test_a_failed_background_compile_that_also_fails_here_leaves_level_1_serving():
+    pending = FakePending(RuntimeError("child-only error"))
+    choice, state, report, received = choice_of({1: 5e-3, 2: 3e-3}, pending)
+    tried = []
+
+    def fails_here_too(args):
+        tried.append(args)
+        raise RuntimeError("fails here too\nmore")
+
+    choice.in_process = fails_here_too
+    x = torch.arange(3.0)
+    pending.done = True
+    assert torch.equal(choice(x, state)[0], x * 2) and len(tried) == 1
+    assert choice.record["reason"] == ("level 2 failed to compile in the background (RuntimeError: child-only "
+                                       "error), and in this process (RuntimeError: fails here too)")
+    assert received == [] and report.fallback_counts == {FallbackKind.LEVEL: 1}
 
 
 def test_inductors_pickling_warning_becomes_the_reason_and_prints_nothing(caplog):

@@ -62,6 +62,10 @@ GRAPH_OPT_LEVELS: Final = (0, 1, 2)
 # graph_opt_level="auto": each graph compiled at levels 1 and 2, both timed on its first
 # call's inputs, the faster kept (tiers.py).
 AUTO_LEVEL: Final = "auto"
+# When "auto" chooses: "first_call", before the first call returns (both levels compiled in
+# it); "background", level 1 serves from the first call while level 2's code is generated
+# in a child process, and the first call after it arrives chooses (CPU only).
+LEVEL_CHOICES: Final = ("first_call", "background")
 CAPTURE_ERROR_MODES: Final = ("global", "thread_local", "relaxed")
 CUDAGRAPH_MODES: Final = ("none", "piecewise", "full")
 # cudagraph_capture_sizes="auto": sizes chosen from traffic (runtime/capture_plan.py).
@@ -109,6 +113,8 @@ class GraphOptimizationConfig:
 
     # "auto": each graph runs the faster of levels 1 and 2, by measurement (backend/tiers.py).
     graph_opt_level: int | str = AUTO_LEVEL
+    # With "auto": when the level is chosen, one of LEVEL_CHOICES.
+    level_choice: str = "first_call"
     use_cudagraph: bool = True
     # Resolved in __post_init__: a sorted list without duplicates afterwards, or "auto".
     cudagraph_capture_sizes: list[int] | str | None = None
@@ -170,6 +176,7 @@ class GraphOptimizationConfig:
     def __post_init__(self) -> None:
         if self.graph_opt_level != AUTO_LEVEL:
             check_int("graph_opt_level", self.graph_opt_level, choices=GRAPH_OPT_LEVELS, or_else=AUTO_LEVEL)
+        check_choice("level_choice", self.level_choice, LEVEL_CHOICES)
         check_bool("use_cudagraph", self.use_cudagraph)
         # max_num_seqs is checked first because the default sizes are derived from it.
         check_int("max_num_seqs", self.max_num_seqs, minimum=1)

@@ -82,10 +82,11 @@ def _graph_lines(report: Report, g: GraphRecord) -> list[str]:
 def _choice_line(choice: dict[str, Any]) -> str:
     head = f"  level of graph {choice['graph']}: "
     if "level" not in choice:
-        return head + "chosen at its first call"
+        return head + ("not chosen yet: level 1 serves until level 2 has compiled and a call chooses "
+                       "(graphopt.wait_for_background() waits for it)")
     timed = ", ".join(f"level {k} {v * 1e6:.0f} us" for k, v in choice["seconds"].items() if v)
     when = ", chosen in an earlier process" if choice.get("cached") else \
-        f", chosen {choice['chosen_after_s']:g} s after level 1 compiled" if "chosen_after_s" in choice else ""
+        f", chosen {choice['chosen_after_s']:g} s after its compile began" if "chosen_after_s" in choice else ""
     return head + f"{choice['level']} ({choice['reason']}{'; ' + timed if timed else ''}{when})"
 
 

@@ -268,7 +268,7 @@ class Backend:
             record.update(level=1, seconds={}, reason=why)
             return self._runtime_at(gm, example_inputs, 1, fingerprint)
         stateful = tiers.stateful_inputs(dynamo.input_kinds(gm), example_inputs)
-        background = tiers.background_compile(device_type(example_inputs), self.cache.off)
+        background = tiers.background_compile(self.config.level_choice, device_type(example_inputs), self.cache.off)
         in_compile = dynamo.later_in_this_compile()
 
         def compile_at(level: int, inputs: Sequence[Any] | None = None) -> Callable:

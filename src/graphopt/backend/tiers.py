@@ -10,12 +10,17 @@ lowering's, held to precision_tolerance when it compiled: the choice holds it to
 CHOICE_SLACK times that, and level 2 to the bound itself against level 1's outputs
 (_disagreement says why).
 
-On the CPU the first call compiles level 1 only and serves it. Level 2 starts at the
-second call (or at wait_for_background()): this process traces it and runs the passes
-(with frozen weights, folding them: seconds on a large model), its code is generated in a
-child process (_compat/background.py) while level 1 serves, and the choice is made at the
-first call after the code arrived. The first call costs level 1's compile alone: on the
-~1B decoder with frozen weights 16 s, where level 2's tracing and passes made it 45 s.
+By default (level_choice="first_call") both levels compile in the graph's compile and
+the choice is made in its first call, so the first output is the chosen level's: a
+benchmark times what a server serves, and Inductor's caches keep level 2's code for the
+next process. With level_choice="background", on the CPU, the first call compiles level
+1 only and serves it. Level 2 starts at the second call (or at wait_for_background()):
+this process traces it and runs the passes (with frozen weights, folding them: seconds
+on a large model), its code is generated in a child process (_compat/background.py)
+while level 1 serves, and the choice is made at the first call after the code arrived.
+The first call then costs level 1's compile alone: on the ~1B decoder with frozen
+weights 16 s, where level 2's tracing and passes made it 45 s. A child that fails hands
+level 2 to this process, compiled in the call that finds out.
 
 Level 1 wins where a step is bound by launches (a small decode step replayed as one
 host graph), level 2 where it is bound by compute (convolutions, large GEMMs, long
@@ -73,7 +78,8 @@ class LevelChoice:
     once with the finished record (the compile cache stores it). With `pending` (level 2's
     code still being generated in a child process), level 1 serves every call until it has
     arrived, and the first call after chooses. With `later` instead (level 2 not compiled
-    yet: `start_level_2`), level 1 serves the first call and the second starts level 2.
+    yet: `start_level_2`), level 1 serves the first call and the second starts level 2;
+    `in_process(inputs)` compiles level 2 in this process where the child's compile failed.
     `bound` is precision_bound()'s. `released` is called with each level's runtime that
     will not serve (the Backend stops refreshing it: a frozen level 2 left behind would be
     compiled again at every weight update)."""
@@ -83,13 +89,15 @@ class LevelChoice:
                  clock: Callable[[], float] = time.perf_counter, pending: background.BackgroundCompile | None = None,
                  bound: lowered_error.Bound | None = None,
                  released: Callable[[Callable], None] = lambda runtime: None,
-                 later: Callable[[Sequence[Any] | None], tuple[Callable, background.BackgroundCompile]] | None = None):
+                 later: Callable[[Sequence[Any] | None], tuple[Callable, background.BackgroundCompile]] | None = None,
+                 in_process: Callable[[Sequence[Any]], Callable] | None = None):
         self.runtimes, self.eager, self.stateful = runtimes, eager, stateful
         self.record, self.report, self.chosen, self.clock = record, report, chosen, clock
         self.pending, self.bound, self.released = pending, bound, released
-        self.born = time.monotonic()  # for the report: how long until the choice
+        self.born = time.monotonic()  # for the report: how long until the choice (choose() sets its start)
         self.run: Callable = self._first if pending is None else self._waiting
         self.later, self._starting, self.first_inputs = later, threading.Lock(), None
+        self.in_process = in_process
         if later is not None:
             self.run = self._level_1_first
             _UNSTARTED.add(self)
@@ -141,16 +149,36 @@ class LevelChoice:
         self.run, self.runtimes = self.runtimes[1], {}
 
     def _waiting(self, *args: Any) -> Any:
-        """Level 1 while level 2's code is on its way; then the choice, or level 1 for good
-        where the child's compile failed."""
+        """Level 1 while level 2's code is on its way; then the choice. Where the child's
+        compile failed, this call compiles level 2 in this process (what compiles here
+        must not be lost to the trip: the child sees a pickled graph), else level 1 serves
+        for good."""
         if not self.pending.ready():
             return self.runtimes[1](*args)
         error = self.pending.why()
-        if error is None:
-            self.run = self._first
-            return self._first(*args)
-        self._level_1_for_good(f"level 2 failed to compile in the background ({error[:200]})")
-        return self.run(*args)
+        if error is not None:
+            why = f"level 2 failed to compile in the background ({error[:200]})"
+            if not self._compiled_here(args, why):
+                return self.run(*args)
+        self.run = self._first
+        return self._first(*args)
+
+    def _compiled_here(self, args: tuple, why: str) -> bool:
+        """After the child's failure `why`: level 2 compiled in this process on `args`,
+        with a fallback that says so; or level 1 for good, and False."""
+        self.released(self.runtimes.pop(2))
+        if self.in_process is None:
+            self._level_1_for_good(why)
+            return False
+        try:
+            self.runtimes[2] = self.in_process(args)
+        except Exception as again:  # noqa: BLE001 - Inductor failing on a graph must not fail the model
+            self._level_1_for_good(f"{why}, and in this process ({type(again).__name__}: "
+                                   f"{first_line(again)[:200]})")
+            return False
+        self.report.fallback(FallbackKind.IN_FOREGROUND, f"graph_opt_level='auto': {why}; level 2 of graph "
+                             f"{self.record['graph']} was compiled in this process instead, during a call")
+        return True
 
     def _first(self, *args: Any) -> Any:
         state = _State([args[i] for i in self.stateful])
@@ -190,13 +218,17 @@ class LevelChoice:
         return self.run(*args)
 
 
-def background_compile(device: str, cache_off: Callable[[], ContextManager]) -> Callable[[], ContextManager] | None:
-    """Where level 2 compiles in the background, the context it compiles in: the compile
-    cache off (the code it would store arrives later). None where it compiles at once:
-    the child generates Inductor's CPU code only. Frozen graphs too: the child gets the
-    constants the weights were folded into (its GEMM template packs them), not the
-    weights, and a refresh() compiles level 2 again in this process, as without "auto"."""
-    return cache_off if device == "cpu" else None
+def background_compile(level_choice: str, device: str,
+                       cache_off: Callable[[], ContextManager]) -> Callable[[], ContextManager] | None:
+    """Where level 2 compiles in the background (level_choice="background", on the CPU),
+    the context it compiles in: the compile cache off (the code it would store arrives
+    later). None where it compiles in the first call: by default, so that the first output
+    is the chosen level's (a benchmark times what a server serves) and Inductor's caches
+    keep level 2's code for the next process; and on CUDA, where the child would generate
+    Inductor's CPU code only. Frozen graphs too: the child gets the constants the weights
+    were folded into (its GEMM template packs them), not the weights, and a refresh()
+    compiles level 2 again in this process, as without "auto"."""
+    return cache_off if level_choice == "background" and device == "cpu" else None
 
 
 def precision_bound(config: GraphOptimizationConfig, gm: torch.fx.GraphModule) -> lowered_error.Bound | None:
@@ -221,6 +253,7 @@ def choose(compile_at: Callable[..., Callable], eager: Callable, stateful: list[
     context), level 2 starts at the graph's second call and its code is generated in a
     child process; level 1 serves until it arrives: `compile_at(2, inputs)` then traces and
     measures on `inputs` (None: the graph's example inputs). `released`: LevelChoice's."""
+    began = time.monotonic()
     if in_background is None:
         runtimes = {1: compile_at(1)}
         try:
@@ -228,7 +261,9 @@ def choose(compile_at: Callable[..., Callable], eager: Callable, stateful: list[
         except Exception as error:  # noqa: BLE001 - Inductor failing on a graph must not fail the model
             _level_1_serves(report, record, _failed_to_compile(error))
             return runtimes[1]
-        return LevelChoice(runtimes, eager, stateful, record, report, chosen, bound=bound, released=released)
+        choice = LevelChoice(runtimes, eager, stateful, record, report, chosen, bound=bound, released=released)
+        choice.born = began
+        return choice
 
     def in_child(inputs: Sequence[Any] | None) -> tuple[Callable, background.BackgroundCompile]:
         pending = background.BackgroundCompile(
@@ -241,8 +276,10 @@ def choose(compile_at: Callable[..., Callable], eager: Callable, stateful: list[
         return runtime, pending
 
     background.start_child()  # it imports torch while level 1 compiles
-    return LevelChoice({1: compile_at(1)}, eager, stateful, record, report, chosen, bound=bound, released=released,
-                       later=in_child)
+    choice = LevelChoice({1: compile_at(1)}, eager, stateful, record, report, chosen, bound=bound, released=released,
+                         later=in_child, in_process=lambda inputs: compile_at(2, inputs))
+    choice.born = began
+    return choice
 
 
 def _failed_to_compile(error: Exception) -> str:
