@@ -6,9 +6,9 @@ PATH is the harness of a pytorch checkout (`benchmarks/dynamo`) or pytorch/bench
 of it (`userbenchmark/dynamo/dynamobench`); it is not the project's to copy in. Each model
 runs with `--backend graphopt` and `--backend inductor`, accuracy then performance, every
 run in its own process (CPU, float32, inference, `--threads`; timm at batch 4,
-transformers at batch 1), the performance runs twice per backend, in turns. A backend's accuracy and performance runs share a cache
-directory, fresh for each model, as one user's two processes would: the accuracy run
-compiles cold, the performance run reads what it stored.
+transformers at batch 1), the performance runs twice per backend, in turns. A backend's
+accuracy and performance runs share a cache directory, fresh for each model, as one
+user's processes would: the accuracy run compiles cold, the later runs read what it stored.
 
 The table compares compiled latency (the harness's `abs_latency`), not its "speedup":
 that divides by eager timed in the same process, and eager ran at different speeds in
