@@ -158,17 +158,15 @@ def _s(result: dict) -> str:
 
 
 def _ratio(row: dict) -> float | None:
-    try:
-        inductor, graphopt = (float(row[b, "performance"]["abs_latency"]) for b in ("inductor", "graphopt"))
-        return inductor / graphopt
-    except (KeyError, ValueError, ZeroDivisionError):
-        return None
+    inductor, graphopt = (_latency(row[b, "performance"]) for b in ("inductor", "graphopt"))
+    return inductor / graphopt if math.isfinite(inductor) and math.isfinite(graphopt) else None
 
 
 def _levels(choices: list) -> str:
-    """Each graph's level and, where one level was left or it failed, why."""
-    return "; ".join(f"{c.get('level', 'unchosen')}" + ("" if "x level" in c.get("reason", "x level")
-                                                         else f" ({c['reason'][:80]})") for c in choices) or "-"
+    """Each graph's level and, where the levels were not both timed (one was left, or it
+    failed), why."""
+    return "; ".join(str(c.get("level", "unchosen")) + ("" if len(c.get("seconds", {})) == 2 or "reason" not in c
+                                                        else f" ({c['reason'][:80]})") for c in choices) or "-"
 
 
 def child(harness: str, suite: str, harness_args: list[str]) -> None:

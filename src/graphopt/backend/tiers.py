@@ -80,9 +80,9 @@ class LevelChoice:
     arrived, and the first call after chooses. With `later` instead (level 2 not compiled
     yet: `start_level_2`), level 1 serves the first call and the second starts level 2;
     `in_process(inputs)` compiles level 2 in this process where the child's compile failed.
-    `bound` is precision_bound()'s. `released` is called with each level's runtime that
-    will not serve (the Backend stops refreshing it: a frozen level 2 left behind would be
-    compiled again at every weight update)."""
+    `bound` is precision_bound()'s; `born`, when the graph's compile began. `released` is
+    called with each level's runtime that will not serve (the Backend stops refreshing it:
+    a frozen level 2 left behind would be compiled again at every weight update)."""
 
     def __init__(self, runtimes: dict[int, Callable], eager: Callable, stateful: list[int], record: dict[str, Any],
                  report: Report, chosen: Callable[[dict[str, Any]], None],
@@ -90,11 +90,12 @@ class LevelChoice:
                  bound: lowered_error.Bound | None = None,
                  released: Callable[[Callable], None] = lambda runtime: None,
                  later: Callable[[Sequence[Any] | None], tuple[Callable, background.BackgroundCompile]] | None = None,
-                 in_process: Callable[[Sequence[Any]], Callable] | None = None):
+                 in_process: Callable[[Sequence[Any]], Callable] | None = None, born: float | None = None):
         self.runtimes, self.eager, self.stateful = runtimes, eager, stateful
         self.record, self.report, self.chosen, self.clock = record, report, chosen, clock
         self.pending, self.bound, self.released = pending, bound, released
-        self.born = time.monotonic()  # for the report: how long until the choice (choose() sets its start)
+        # For the report: how long until the choice, from the start of the graph's compile.
+        self.born = time.monotonic() if born is None else born
         self.run: Callable = self._first if pending is None else self._waiting
         self.later, self._starting, self.first_inputs = later, threading.Lock(), None
         self.in_process = in_process
@@ -261,9 +262,8 @@ def choose(compile_at: Callable[..., Callable], eager: Callable, stateful: list[
         except Exception as error:  # noqa: BLE001 - Inductor failing on a graph must not fail the model
             _level_1_serves(report, record, _failed_to_compile(error))
             return runtimes[1]
-        choice = LevelChoice(runtimes, eager, stateful, record, report, chosen, bound=bound, released=released)
-        choice.born = began
-        return choice
+        return LevelChoice(runtimes, eager, stateful, record, report, chosen, bound=bound, released=released,
+                           born=began)
 
     def in_child(inputs: Sequence[Any] | None) -> tuple[Callable, background.BackgroundCompile]:
         pending = background.BackgroundCompile(
@@ -276,10 +276,8 @@ def choose(compile_at: Callable[..., Callable], eager: Callable, stateful: list[
         return runtime, pending
 
     background.start_child()  # it imports torch while level 1 compiles
-    choice = LevelChoice({1: compile_at(1)}, eager, stateful, record, report, chosen, bound=bound, released=released,
-                         later=in_child, in_process=lambda inputs: compile_at(2, inputs))
-    choice.born = began
-    return choice
+    return LevelChoice({1: compile_at(1)}, eager, stateful, record, report, chosen, bound=bound, released=released,
+                       later=in_child, in_process=lambda inputs: compile_at(2, inputs), born=began)
 
 
 def _failed_to_compile(error: Exception) -> str:
